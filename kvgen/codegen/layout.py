@@ -1,0 +1,110 @@
+"""The layout context templates see: tile sizes, folded strides, pointer names.
+
+Strides and sizes are built as sympy expressions in the spec's symbols and
+substituted per spec, so the emitted source holds plain integer constants
+(Triton then folds them into addressing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+
+from kvgen.schemes import COMPUTE, PageTensor, Scheme
+
+TL_DTYPES = {
+    "float16": "tl.float16",
+    "bfloat16": "tl.bfloat16",
+    "float32": "tl.float32",
+    "int8": "tl.int8",
+    "uint8": "tl.uint8",
+    "int32": "tl.int32",
+    "float8_e4m3fn": "tl.float8e4nv",
+}
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """One page tensor as the templates see it."""
+
+    name: str
+    ptr: str          # kernel argument name, e.g. "k_scale_ptr"
+    stride: int       # elements between consecutive (page, head) blocks
+    dtype: str        # torch dtype name
+    tl_dtype: str     # Triton dtype expression
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LayoutContext:
+    """What a template (and a scheme macro) may read, as ``L``."""
+
+    head_dim: int
+    BLOCK_D: int
+    PAGE: int
+    G: int
+    BLOCK_G: int
+    H: int
+    compute_dtype: str
+    tl_compute: str
+    t: dict[str, TensorLayout]
+    tensor_order: tuple[str, ...]
+    macro_template: str
+    params: dict[str, Any]
+
+    def ptr_args(self) -> str:
+        """Kernel parameters for this pool's tensors, comma-joined."""
+        return ", ".join(self.t[n].ptr for n in self.tensor_order)
+
+
+def _tensor_layouts(tensors: tuple[PageTensor, ...], compute_dtype: str, prefix: str,
+                    head_dim: int, page_size: int) -> dict[str, TensorLayout]:
+    d, p = sympy.symbols("D P", positive=True, integer=True)
+    out = {}
+    for t in tensors:
+        # Shapes are declared per (D, P); the stride is their product, folded to a constant.
+        stride = sympy.Mul(*[sympy.Integer(s) for s in t.shape]) if t.shape else sympy.Integer(1)
+        dtype = compute_dtype if t.dtype == COMPUTE else t.dtype
+        out[t.name] = TensorLayout(
+            name=t.name, ptr=f"{prefix}{t.name}_ptr", stride=int(stride.subs({d: head_dim, p: page_size})),
+            dtype=dtype, tl_dtype=TL_DTYPES[dtype], shape=tuple(t.shape))
+    return out
+
+
+def min_tile(n: int) -> int:
+    """tl.dot needs every dimension >= 16."""
+    return max(16, next_pow2(n))
+
+
+def scheme_layout(scheme: Scheme, head_dim: int, page_size: int, gqa_group: int,
+                  num_kv_heads: int, compute_dtype: str) -> LayoutContext:
+    """The compressed pool of ``scheme`` as a LayoutContext (pointer prefix '')."""
+    tensors = scheme.page_tensors(head_dim, page_size)
+    return LayoutContext(
+        head_dim=head_dim, BLOCK_D=min_tile(head_dim), PAGE=page_size, G=gqa_group,
+        BLOCK_G=min_tile(gqa_group), H=num_kv_heads, compute_dtype=compute_dtype,
+        tl_compute=TL_DTYPES[compute_dtype],
+        t=_tensor_layouts(tensors, compute_dtype, "", head_dim, page_size),
+        tensor_order=tuple(t.name for t in tensors), macro_template=scheme.macro_template,
+        params={k: v for k, v in scheme.params().items()})
+
+
+RESIDUAL_MACROS = "triton/schemes/float.j2"
+
+
+def residual_layout(head_dim: int, page_size: int, gqa_group: int, num_kv_heads: int,
+                    compute_dtype: str) -> LayoutContext:
+    """The residual pool: k and v pages in the compute dtype, pointers ``rk_ptr``/``rv_ptr``."""
+    tensors = (PageTensor("k", COMPUTE, (page_size, head_dim)), PageTensor("v", COMPUTE, (page_size, head_dim)))
+    return LayoutContext(
+        head_dim=head_dim, BLOCK_D=min_tile(head_dim), PAGE=page_size, G=gqa_group,
+        BLOCK_G=min_tile(gqa_group), H=num_kv_heads, compute_dtype=compute_dtype,
+        tl_compute=TL_DTYPES[compute_dtype],
+        t=_tensor_layouts(tensors, compute_dtype, "r", head_dim, page_size),
+        tensor_order=("k", "v"), macro_template=RESIDUAL_MACROS, params={})

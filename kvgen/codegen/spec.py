@@ -1,0 +1,60 @@
+"""KernelSpec: everything that changes a generated kernel's source, and nothing else.
+
+A KernelSpec is frozen and JSON-able; its stable hash names the generated
+module, keys compile caches, and appears in every generated file's header.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+OPS = ("decode", "prefill", "cache_write", "page_quantize", "dequant", "page_copy")
+COMPUTE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One specialized kernel: op x scheme x shape x dtype x arch.
+
+    ``gqa_group`` is query heads per KV head; ``num_kv_heads`` the KV heads a
+    rank holds (after TP sharding). ``sliding_window`` (tokens, or 0 for
+    none) and ``softcap`` (0.0 for none) only matter to attention ops.
+    """
+
+    op: str
+    scheme: str
+    head_dim: int
+    num_kv_heads: int
+    gqa_group: int
+    page_size: int
+    compute_dtype: str
+    arch: str
+    backend: str = "triton"
+    sliding_window: int = 0
+    softcap: float = 0.0
+    scheme_params: tuple[tuple[str, str], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"unknown op {self.op!r}; known: {OPS}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["scheme_params"] = [list(p) for p in self.scheme_params]
+        return data
+
+    def canonical(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(self.canonical().encode()).hexdigest()[:16]
+
+    @property
+    def name(self) -> str:
+        """Readable and unique: ``decode_int4_d128_g8_p16_bfloat16_<hash8>``."""
+        return f"{self.op}_{self.scheme}_d{self.head_dim}_g{self.gqa_group}_p{self.page_size}_{self.compute_dtype}_{self.hash[:8]}"

@@ -1,0 +1,10 @@
+"""What a plugin imports: the hook marker and the contracts it implements."""
+
+import pluggy
+
+from kvgen.errors import KvgenError
+from kvgen.schemes import COMPUTE, D, P, PageTensor, Scheme
+
+hookimpl = pluggy.HookimplMarker("kvgen")
+
+__all__ = ["hookimpl", "KvgenError", "Scheme", "PageTensor", "COMPUTE", "D", "P"]

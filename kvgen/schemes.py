@@ -1,0 +1,222 @@
+"""The scheme contract: what a KV compression scheme must declare and provide.
+
+This is public API for plugin authors. A scheme is one object (an instance of
+a :class:`Scheme` subclass) registered through the ``kvgen_register_schemes``
+hook. The planner asks it for bytes per token; codegen asks it for its page
+tensors and its Jinja macros; the kernel tests use its torch reference
+``quantize_page`` / ``dequantize_page`` as the oracle.
+
+Page storage
+------------
+For every layer, a *compressed pool* holds one tensor per :class:`PageTensor`
+the scheme declares, allocated as ``[num_pages, num_kv_heads, *shape]`` and
+contiguous, so the data of one page of one KV head is one contiguous block
+starting at element ``(page * num_kv_heads + kv_head) * prod(shape)``.
+
+Residual pages
+--------------
+``residual_tokens`` says how a sequence's most recent tokens are kept:
+
+- ``None``: there is no residual; every token is quantized and stored in the
+  compressed pool the moment it is written (per-token schemes such as int8).
+- ``R >= 0``: the sequence's last, partly filled page *and* its
+  ``R // page_size`` most recent full pages stay in a *residual pool* in the
+  compute dtype (tensors ``k`` and ``v``, ``[num_pages, H, page, D]``). A full
+  page older than that is converted with the scheme's ``quantize_page``
+  macro into a compressed page. So a sequence of ``n`` tokens has
+  ``compressed_pages(n)`` compressed pages first, then residual pages.
+
+Jinja macros
+------------
+``macro_template`` names a template (found on the template search path, see
+the ``kvgen_register_templates`` hook) defining these macros; every one
+receives ``L``, the rendering context (see ``kvgen.codegen.render``), and
+emits Triton statements at the current indentation:
+
+- ``scores(out, q, base, offs_t, offs_d, mask_t, L)``: ``out`` =
+  ``q @ K_pageᵀ`` as float32 ``[BLOCK_G, PAGE]``, where ``q`` is a float32
+  ``[BLOCK_G, BLOCK_D]`` tile and ``base`` the element index
+  ``page * H + kv_head`` (already an int64 scalar).
+- ``accumulate(acc, p, base, offs_t, offs_d, mask_t, L)``: ``acc +=
+  p @ V_page`` with ``p`` float32 ``[BLOCK_G, PAGE]``, ``acc`` float32
+  ``[BLOCK_G, BLOCK_D]``.
+- ``load_page(k, v, base, offs_t, offs_d, mask_t, L)``: dequantized float32
+  tiles ``[PAGE, BLOCK_D]`` of one page and head.
+- ``store_tokens(k, v, base, slot, offs_d, L)``: quantize and store one
+  token (``k``, ``v`` float32 ``[BLOCK_D]``, padded lanes are zero) into
+  ``slot`` of a page. Only for schemes with ``residual_tokens is None``.
+- ``store_page(k, v, base, offs_t, offs_d, L)``: quantize and store a whole
+  page (``k``, ``v`` float32 ``[PAGE, BLOCK_D]``). Only for schemes with a
+  residual.
+
+Pointers are named ``<tensor name>_ptr`` (``k_ptr``, ``k_scale_ptr``...);
+``L.t[name].stride`` is the per-(page, head) element stride of that tensor
+as a folded constant. Padded lanes (``offs_d >= head_dim``) must read as
+zero and never be stored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import sympy
+import torch
+
+from kvgen.errors import SchemeCapabilityError
+
+COMPUTE = "compute"
+"""A PageTensor dtype meaning: the compute dtype of the plan (fp16/bf16/fp32)."""
+
+
+@dataclass(frozen=True)
+class PageTensor:
+    """One tensor of a compressed page: ``[num_pages, num_kv_heads, *shape]``.
+
+    ``dtype`` is a torch dtype name (``"int8"``, ``"uint8"``, ``"float16"``,
+    ``"float32"``, ``"float8_e4m3fn"``...) or :data:`COMPUTE`.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+    def torch_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        return compute_dtype if self.dtype == COMPUTE else getattr(torch, self.dtype)
+
+    def nbytes_per_page_head(self, compute_dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=self.torch_dtype(compute_dtype)).element_size()
+        return self.elements() * itemsize
+
+
+def _itemsize(dtype_name: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+
+
+class Scheme:
+    """Base class of every KV compression scheme.
+
+    Subclasses set the class attributes and implement ``page_tensors``,
+    ``quantize_page`` and ``dequantize_page``. ``bytes_per_token_expr``
+    defaults to the sum of the page tensors' bytes divided by the page size,
+    which is exact for any layout that declares all its storage.
+    """
+
+    name: ClassVar[str]
+    bits: ClassVar[int]
+    summary: ClassVar[str] = ""
+    macro_template: ClassVar[str]
+    residual_tokens: ClassVar[int | None] = None
+    head_dims: ClassVar[tuple[int, ...] | None] = None
+    """Head dims the kernels support; None means any (padded to a power of two)."""
+    page_sizes: ClassVar[tuple[int, ...]] = (8, 16, 32, 64, 128)
+    min_arch: ClassVar[int] = 0
+    """Lowest CUDA compute capability (major*10+minor) the kernels need; 0 = any."""
+    tolerance: ClassVar[float] = 2e-3
+    """Kernel-vs-reference relative L2 error the shared test matrix allows."""
+
+    # -- layout -----------------------------------------------------------
+    def page_tensors(self, head_dim: int, page_size: int) -> tuple[PageTensor, ...]:
+        raise NotImplementedError(f"scheme {self.name} must declare its page tensors")
+
+    def bytes_per_token_per_kv_head(self, head_dim: int, page_size: int) -> float:
+        """K and V bytes one token costs per KV head in the compressed pool."""
+        return float(self.bytes_per_token_expr().subs({D: head_dim, P: page_size}))
+
+    def bytes_per_token_expr(self) -> sympy.Expr:
+        """Bytes per token per KV head as a sympy expression in :data:`D` and :data:`P`.
+
+        The default samples ``page_tensors`` and is exact for layouts whose
+        sizes are linear in D and in D*P (true of every built-in scheme);
+        override it for anything else.
+        """
+        def total(d: int, p: int) -> int:
+            return sum(t.elements() * _itemsize(self._concrete_dtype(t)) for t in self.page_tensors(d, p))
+
+        # Fit a*D + b*D/P (+ c + e/P) from four samples on a 2x2 grid.
+        d0, d1, p0, p1 = 64, 128, 16, 32
+        a11, a12, a21, a22 = total(d0, p0), total(d0, p1), total(d1, p0), total(d1, p1)
+        # bytes per page = alpha*D*P + beta*D + gamma*P + delta
+        alpha = sympy.Rational((a22 - a21 - a12 + a11), (d1 - d0) * (p1 - p0))
+        beta = sympy.Rational(a21 - a11, d1 - d0) - alpha * p0
+        gamma = sympy.Rational(a12 - a11, p1 - p0) - alpha * d0
+        delta = a11 - alpha * d0 * p0 - beta * d0 - gamma * p0
+        return sympy.simplify((alpha * D * P + beta * D + gamma * P + delta) / P)
+
+    def _concrete_dtype(self, t: PageTensor) -> str:
+        if t.dtype == COMPUTE:
+            raise SchemeCapabilityError(f"scheme {self.name}: compressed tensors must have a concrete dtype")
+        return t.dtype
+
+    # -- reference (the oracle) --------------------------------------------
+    def quantize_page(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Quantize one page for every KV head.
+
+        ``k``, ``v``: ``[H, page_size, head_dim]`` floating point. Returns one
+        tensor per page tensor, shaped ``[H, *shape]``, exactly as the kernels
+        store them. Per-token schemes must quantize each token independently
+        (so a partly written page quantizes the same as a full one).
+        """
+        raise NotImplementedError(f"scheme {self.name} must implement quantize_page")
+
+    def dequantize_page(self, tensors: dict[str, torch.Tensor], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of ``quantize_page``: float32 ``k``, ``v`` of ``[H, page_size, head_dim]``."""
+        raise NotImplementedError(f"scheme {self.name} must implement dequantize_page")
+
+    def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantize(quantize(k, v)) page by page; ``k``, ``v``: ``[H, tokens, D]``, tokens a multiple of the page size."""
+        head_dim = k.shape[-1]
+        return self.dequantize_page(self.quantize_page(k, v), head_dim)
+
+    # -- capabilities -------------------------------------------------------
+    def check(self, head_dim: int, page_size: int, arch: int | None = None) -> None:
+        """Raise SchemeCapabilityError unless this scheme supports the shape and arch."""
+        if self.head_dims is not None and head_dim not in self.head_dims:
+            raise SchemeCapabilityError(
+                f"scheme {self.name} does not support head_dim {head_dim} (supported: {list(self.head_dims)}); pick another --kv")
+        if page_size not in self.page_sizes:
+            raise SchemeCapabilityError(
+                f"scheme {self.name} does not support page size {page_size} (supported: {list(self.page_sizes)}); pass --page-size")
+        if self.residual_tokens and self.residual_tokens % page_size:
+            raise SchemeCapabilityError(
+                f"scheme {self.name} keeps {self.residual_tokens} residual tokens, not a whole number of {page_size}-token pages; pass another --page-size")
+        if arch is not None and arch and arch < self.min_arch:
+            raise SchemeCapabilityError(
+                f"scheme {self.name} needs compute capability {self.min_arch / 10:.1f}+, the target has {arch / 10:.1f}; pick another --kv")
+
+    def residual_pages(self, page_size: int) -> int:
+        """Full pages a sequence keeps in the compute dtype (besides its partial tail page)."""
+        return 0 if self.residual_tokens is None else self.residual_tokens // page_size
+
+    def compressed_pages(self, num_tokens: int, page_size: int) -> int:
+        """How many of a sequence's first pages are in the compressed pool."""
+        pages = -(-num_tokens // page_size)
+        if self.residual_tokens is None:
+            return pages
+        return max(0, num_tokens // page_size - self.residual_pages(page_size))
+
+    def params(self) -> dict[str, Any]:
+        """The scheme's parameters as JSON-able data (goes into plan.json)."""
+        return {"bits": self.bits, "residual_tokens": self.residual_tokens}
+
+    def describe(self, head_dim: int = 128, page_size: int = 16) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "bits": self.bits,
+            "summary": self.summary,
+            "bytes_per_token_per_kv_head": self.bytes_per_token_per_kv_head(head_dim, page_size),
+            "residual_tokens": self.residual_tokens,
+            "head_dims": list(self.head_dims) if self.head_dims else "any",
+            "page_sizes": list(self.page_sizes),
+            "min_arch": self.min_arch,
+        }
+
+
+D = sympy.Symbol("D", positive=True, integer=True)
+"""Head dim symbol used in bytes-per-token expressions."""
+P = sympy.Symbol("P", positive=True, integer=True)
+"""Page size symbol used in bytes-per-token expressions."""

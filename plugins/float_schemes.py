@@ -1,0 +1,73 @@
+"""Built-in uncompressed schemes: fp32, fp16, bf16 (a plugin like any other).
+
+Layout (per page and KV head, contiguous, in the scheme's dtype)::
+
+    k: [page_size, head_dim]     v: [page_size, head_dim]
+
+``quantize_page`` is a cast; ``dequantize_page`` casts back to float32.
+Tokens are written straight into their page (no residual window).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+
+import torch
+
+from kvgen.plugin_api import PageTensor, Scheme, hookimpl
+
+
+class FloatScheme(Scheme):
+    """Pages stored as-is in one floating dtype."""
+
+    dtype_name: str
+    macro_template = "triton/schemes/float.j2"
+    residual_tokens = None
+    tolerance = 2e-3
+
+    def page_tensors(self, head_dim: int, page_size: int) -> tuple[PageTensor, ...]:
+        return (PageTensor("k", self.dtype_name, (page_size, head_dim)),
+                PageTensor("v", self.dtype_name, (page_size, head_dim)))
+
+    def quantize_page(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        dtype = getattr(torch, self.dtype_name)
+        return {"k": k.to(dtype), "v": v.to(dtype)}
+
+    def dequantize_page(self, tensors, head_dim):
+        return tensors["k"].float(), tensors["v"].float()
+
+    def params(self):
+        return {**super().params(), "dtype": self.dtype_name}
+
+
+class FP32(FloatScheme):
+    name = "fp32"
+    bits = 32
+    dtype_name = "float32"
+    summary = "no compression, float32 pages (exact reference for CPU tests)"
+
+
+class FP16(FloatScheme):
+    name = "fp16"
+    bits = 16
+    dtype_name = "float16"
+    summary = "no compression, float16 pages"
+
+
+class BF16(FloatScheme):
+    name = "bf16"
+    bits = 16
+    dtype_name = "bfloat16"
+    summary = "no compression, bfloat16 pages"
+
+
+@hookimpl
+def kvgen_register_schemes(register):
+    for cls in (FP32, FP16, BF16):
+        register(cls())
+
+
+@hookimpl
+def kvgen_register_templates(register):
+    # Macro templates of built-in schemes ship inside this package.
+    register(importlib.resources.files("kvgen_plugins") / "macros")

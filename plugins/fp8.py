@@ -1,0 +1,1 @@
+"""Placeholder module so the entry point imports while the scheme is being written."""

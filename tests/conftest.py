@@ -1,0 +1,26 @@
+"""Test-wide set-up: kernels run on the Triton CPU interpreter unless a GPU test asks otherwise."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Must be set before triton is imported anywhere: CPU tests run kernels in the interpreter.
+if os.environ.get("KVGEN_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.exists():
+        pytest.skip(f"shared data not found at {SHARED_DATA}")
+    return SHARED_DATA
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    # Tests never write into the user's ~/.cache/kvgen.
+    monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kvgen-cache"))
