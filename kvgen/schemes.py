@@ -33,22 +33,30 @@ the ``kvgen_register_templates`` hook) defining these macros; every one
 receives ``L``, the rendering context (see ``kvgen.codegen.render``), and
 emits Triton statements at the current indentation:
 
-- ``scores(out, q, base, offs_t, offs_d, mask_t, L)``: ``out`` =
-  ``q @ K_pageᵀ`` as float32 ``[BLOCK_G, PAGE]``, where ``q`` is a float32
-  ``[BLOCK_G, BLOCK_D]`` tile and ``base`` the element index
-  ``page * H + kv_head`` (already an int64 scalar).
-- ``accumulate(acc, p, base, offs_t, offs_d, mask_t, L)``: ``acc +=
-  p @ V_page`` with ``p`` float32 ``[BLOCK_G, PAGE]``, ``acc`` float32
-  ``[BLOCK_G, BLOCK_D]``.
-- ``load_page(k, v, base, offs_t, offs_d, mask_t, L)``: dequantized float32
-  tiles ``[PAGE, BLOCK_D]`` of one page and head.
-- ``store_tokens(k, v, base, slot, offs_d, L)``: quantize and store one
-  token (``k``, ``v`` float32 ``[BLOCK_D]``, padded lanes are zero) into
-  ``slot`` of a page. Only for schemes with ``residual_tokens is None``.
-- ``store_page(k, v, base, offs_t, offs_d, L)``: quantize and store a whole
-  page (``k``, ``v`` float32 ``[PAGE, BLOCK_D]``). Only for schemes with a
-  residual.
+A decode/prefill tile holds ``BLOCK_N`` tokens that may span several pages
+(the tile size is a tunable), so the attention macros take per-token vectors:
+``base`` (int64 ``[BLOCK_N]``, the element index ``page * H + kv_head`` of
+each token's page), ``offs_t`` (int32 ``[BLOCK_N]``, each token's slot in its
+page) and ``mask_t`` (bool ``[BLOCK_N]``, False past the sequence end).
 
+- ``scores(out, q, base, offs_t, offs_d, mask_t, L)``: ``out`` =
+  ``q @ Kᵀ`` as float32 ``[BLOCK_G, BLOCK_N]``, where ``q`` is a float32
+  ``[BLOCK_G, BLOCK_D]`` tile (already scaled by the softmax scale).
+- ``accumulate(acc, p, base, offs_t, offs_d, mask_t, L)``: ``acc +=
+  p @ V`` with ``p`` float32 ``[BLOCK_G, BLOCK_N]`` (zero where masked) and
+  ``acc`` float32 ``[BLOCK_G, BLOCK_D]``.
+- ``load_page(k, v, base, offs_t, offs_d, mask_t, L)``: dequantized float32
+  tiles ``[BLOCK_N, BLOCK_D]`` (masked tokens and padded lanes read 0).
+- ``store_tokens(k, v, base, slot, offs_d, L)``: quantize and store one
+  token (``k``, ``v`` float32 ``[BLOCK_D]``, padded lanes are zero; ``base``
+  and ``slot`` scalars) into ``slot`` of a page. Only for schemes with
+  ``residual_tokens is None``.
+- ``store_page(k, v, base, offs_t, offs_d, L)``: quantize and store a whole
+  page (``k``, ``v`` float32 ``[PAGE, BLOCK_D]``, ``base`` a scalar,
+  ``offs_t = tl.arange(0, PAGE)``). Only for schemes with a residual.
+
+Macros may define helper variables; they must prefix them with the name of
+their output argument (``out``/``acc``/``k``) so two expansions never clash.
 Pointers are named ``<tensor name>_ptr`` (``k_ptr``, ``k_scale_ptr``...);
 ``L.t[name].stride`` is the per-(page, head) element stride of that tensor
 as a folded constant. Padded lanes (``offs_d >= head_dim``) must read as
