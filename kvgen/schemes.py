@@ -126,6 +126,10 @@ class Scheme:
     """Lowest CUDA compute capability (major*10+minor) the kernels need; 0 = any."""
     tolerance: ClassVar[float] = 2e-3
     """Kernel-vs-reference relative L2 error the shared test matrix allows."""
+    expected_error: ClassVar[float | None] = None
+    """Typical relative L2 error of attention over this cache vs float32 (random
+    normal data); the planner's ``--kv auto`` prefers the smallest. None means
+    unknown: ranked as 2**-bits."""
 
     # -- layout -----------------------------------------------------------
     def page_tensors(self, head_dim: int, page_size: int) -> tuple[PageTensor, ...]:
@@ -206,6 +210,10 @@ class Scheme:
         if self.residual_tokens is None:
             return pages
         return max(0, num_tokens // page_size - self.residual_pages(page_size))
+
+    def precision_rank(self) -> float:
+        """Lower is more precise; orders schemes for ``--kv auto``."""
+        return self.expected_error if self.expected_error is not None else 2.0 ** -self.bits
 
     def params(self) -> dict[str, Any]:
         """The scheme's parameters as JSON-able data (goes into plan.json)."""

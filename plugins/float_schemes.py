@@ -45,6 +45,7 @@ class FP32(FloatScheme):
     bits = 32
     dtype_name = "float32"
     summary = "no compression, float32 pages (exact reference for CPU tests)"
+    expected_error = 0.0
 
 
 class FP16(FloatScheme):
@@ -52,6 +53,7 @@ class FP16(FloatScheme):
     bits = 16
     dtype_name = "float16"
     summary = "no compression, float16 pages"
+    expected_error = 5e-4
 
 
 class BF16(FloatScheme):
@@ -59,6 +61,7 @@ class BF16(FloatScheme):
     bits = 16
     dtype_name = "bfloat16"
     summary = "no compression, bfloat16 pages"
+    expected_error = 4e-3
 
 
 @hookimpl

@@ -1,1 +1,217 @@
-"""Placeholder module so the entry point imports while the scheme is being written."""
+"""KIVI schemes ``int4`` and ``int2``: per-channel keys, per-token values, fp residual.
+
+KIVI (Liu et al., 2024) quantizes keys per *channel* (key outliers live in a
+few channels, so a channel's range is tight) and values per *token* (the
+attention output mixes value rows, so a token's error stays local). kvgen
+makes the page the key group: a full page of ``P`` tokens is quantized once,
+when it fills, and a sequence's most recent tokens stay in the compute dtype
+in the residual pool (see ``kvgen.schemes``):
+
+- ``int4``: ``residual_tokens = 0``: only the last, partly filled page is
+  kept in the compute dtype; a page is quantized as soon as it is full.
+- ``int2``: ``residual_tokens = 128`` (KIVI's R): the partial tail page and
+  the 128 most recent tokens as whole pages stay exact; so the page size must
+  divide 128.
+
+Codes are asymmetric with round-to-nearest: ``x ~= code * scale + zero``,
+``zero`` is the group's minimum and ``scale = (max - min) / (2**bits - 1)``,
+both stored as float16 (codes are computed against the float16-rounded
+values, so the error bound is ``scale / 2`` plus float16 rounding of
+``zero``). A group with no range (constant, or a range that underflows in
+float16) stores ``scale = 0`` and codes 0, and dequantizes to ``zero``.
+Values above the float16 range (|x| > 65504) are not supported.
+
+Layout per (page, KV head); ``F = 8 // bits`` codes per byte (2 for int4, 4
+for int2), ``G = gcd(32, D)`` value group (32 for D = 64, 96, 128, 256; 16
+for D = 80; 8 for D = 8)::
+
+    k        uint8   [P, D/F]   codes, token-major, packed along channels
+    k_scale  float16 [D]        one per channel, over the page's P tokens
+    k_zero   float16 [D]
+    v        uint8   [P, D/F]   codes, token-major, packed along channels
+    v_scale  float16 [P, D/G]   one per (token, group of G channels)
+    v_zero   float16 [P, D/G]
+
+    byte j of token t (int4):  bits 7..4 = channel 2j+1 | bits 3..0 = channel 2j
+    byte j of token t (int2):  [c 4j+3 | c 4j+2 | c 4j+1 | c 4j]  (2 bits each, low first)
+
+Packing interleaves neighbouring channels in one byte (channel ``F*j + i``
+in bits ``[i*bits, (i+1)*bits)``). A group of F channels never straddles the
+padded power-of-two ``BLOCK_D`` tile, whatever D is (80 and 96 included), so
+packing in ``store_page`` is a reshape ``[P, BLOCK_D/F, F]`` and a
+shift-sum, and unpacking in the decode loop is one contiguous (vectorizable)
+byte load of ``[N, BLOCK_D/F]``, F shift+mask ops and ``tl.join`` +
+reshape back to channel order; no lane shuffle depends on D. Split halves
+(byte j = channels j and j + D/2) would align only when D is a power of two.
+
+The value group is ``gcd(32, D)``, the largest power of two <= 32 dividing D,
+so groups tile D exactly (no partial groups, no cross-group padding) and a
+group never straddles the padded tile either; ``head_dims`` lists the sizes
+the kernel matrix covers, all multiples of 8.
+
+Bytes per token per KV head (``bytes_per_token_expr``), D = 128, P = 16:
+int4: K 64 codes + 32 (4*D bytes of scale/zero per page, amortized over
+16 tokens) + V 64 codes + 16 (4 groups * 2 * 2 bytes) = 176 (0.34 of fp16's
+512); int2: 32 + 32 + 32 + 16 = 112 (0.22). The residual pages are not in
+the compressed pool and not counted here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import sympy
+import torch
+
+from kvgen.plugin_api import PageTensor, Scheme, hookimpl
+from kvgen.schemes import D as D_SYM
+from kvgen.schemes import P as P_SYM
+
+VALUE_GROUP = 32
+"""KIVI's value group; shrunk to gcd(32, D) for head dims it does not divide."""
+
+
+def value_group(head_dim: int) -> int:
+    """Channels per value scale group: the largest power of two <= 32 dividing ``head_dim``."""
+    return math.gcd(VALUE_GROUP, head_dim)
+
+
+class kivi_group(sympy.Function):
+    """``gcd(32, D)`` as a sympy function, so bytes-per-token stays exact for any D."""
+
+    @classmethod
+    def eval(cls, d):
+        if d.is_Integer:
+            return sympy.Integer(value_group(int(d)))
+        return None
+
+
+def _quantize(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric round-to-nearest codes of ``x`` over ``dim``: (codes uint8, scale fp16, zero fp16), keepdim."""
+    mn = x.amin(dim, keepdim=True)
+    mx = x.amax(dim, keepdim=True)
+    scale = ((mx - mn) / levels).to(torch.float16)
+    zero = mn.to(torch.float16)
+    s, z = scale.float(), zero.float()
+    ok = s > 0
+    # floor(y + 0.5) rather than torch.round: the kernels round half up too, and codes must match.
+    code = torch.floor((x - z) / torch.where(ok, s, torch.ones_like(s)) + 0.5).clamp_(0, levels)
+    code = torch.where(ok, code, torch.zeros_like(code))
+    return code.to(torch.uint8), scale, zero
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., D]`` codes -> ``[..., D/F]`` uint8; channel F*j+i in bits [i*bits, (i+1)*bits) of byte j."""
+    f = 8 // bits
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // f, f)
+    shifts = torch.arange(f, dtype=torch.int32, device=codes.device) * bits
+    return (c << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``[..., D/F]`` uint8 -> ``[..., D]`` int32 codes."""
+    f = 8 // bits
+    shifts = torch.arange(f, dtype=torch.int32, device=packed.device) * bits
+    c = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+    return c.reshape(*packed.shape[:-1], packed.shape[-1] * f)
+
+
+class KiviScheme(Scheme):
+    """KIVI: keys per channel over the page, values per token in groups of gcd(32, D) channels."""
+
+    macro_template = "kivi.j2"
+    head_dims = (8, 64, 80, 96, 128, 256)
+    tolerance = 2e-3
+
+    @property
+    def levels(self) -> int:
+        return (1 << self.bits) - 1
+
+    def page_tensors(self, head_dim: int, page_size: int) -> tuple[PageTensor, ...]:
+        f = 8 // self.bits
+        g = value_group(head_dim)
+        return (
+            PageTensor("k", "uint8", (page_size, head_dim // f)),
+            PageTensor("k_scale", "float16", (head_dim,)),
+            PageTensor("k_zero", "float16", (head_dim,)),
+            PageTensor("v", "uint8", (page_size, head_dim // f)),
+            PageTensor("v_scale", "float16", (page_size, head_dim // g)),
+            PageTensor("v_zero", "float16", (page_size, head_dim // g)),
+        )
+
+    def bytes_per_token_expr(self) -> sympy.Expr:
+        # Exact for every D: the value group is gcd(32, D), not linear in D, so the
+        # base class's four-sample fit would be wrong for D = 80 (or 8).
+        d, p = D_SYM, P_SYM
+        codes = 2 * p * d * self.bits / 8          # K and V codes
+        k_meta = 2 * 2 * d                         # k_scale + k_zero, float16, per page
+        v_meta = 2 * 2 * p * d / kivi_group(d)     # v_scale + v_zero, float16, per token group
+        return (codes + k_meta + v_meta) / p
+
+    def quantize_page(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        h, page, d = k.shape
+        if d % 8:
+            raise ValueError(f"scheme {self.name}: head_dim must be a multiple of 8, got {d}")
+        g = value_group(d)
+        kc, ks, kz = _quantize(k.float(), 1, self.levels)               # over the page's tokens
+        vc, vs, vz = _quantize(v.float().reshape(h, page, d // g, g), 3, self.levels)
+        return {
+            "k": pack(kc, self.bits),
+            "k_scale": ks.reshape(h, d),
+            "k_zero": kz.reshape(h, d),
+            "v": pack(vc.reshape(h, page, d), self.bits),
+            "v_scale": vs.reshape(h, page, d // g),
+            "v_zero": vz.reshape(h, page, d // g),
+        }
+
+    def dequantize_page(self, tensors: dict[str, torch.Tensor], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = value_group(head_dim)
+        kc = unpack(tensors["k"], self.bits).float()                     # [H, P, D]
+        k = kc * tensors["k_scale"].float()[:, None, :] + tensors["k_zero"].float()[:, None, :]
+        vc = unpack(tensors["v"], self.bits).float()
+        h, page, _ = vc.shape
+        vc = vc.reshape(h, page, head_dim // g, g)
+        v = vc * tensors["v_scale"].float()[..., None] + tensors["v_zero"].float()[..., None]
+        return k, v.reshape(h, page, head_dim)
+
+    def roundtrip(self, k: torch.Tensor, v: torch.Tensor, page_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page-by-page roundtrip; keys are grouped per page, so the page size matters.
+
+        ``page_size`` None treats the whole token axis as one page (the base
+        class's signature); pass it for multi-page input.
+        """
+        h, n, d = k.shape
+        page = page_size or n
+        if n % page:
+            raise ValueError(f"{n} tokens is not a whole number of {page}-token pages")
+        ks, vs = [], []
+        for i in range(0, n, page):
+            kk, vv = self.dequantize_page(self.quantize_page(k[:, i:i + page], v[:, i:i + page]), d)
+            ks.append(kk)
+            vs.append(vv)
+        return torch.cat(ks, 1), torch.cat(vs, 1)
+
+    def params(self):
+        return {**super().params(), "key_group": "page", "value_group": VALUE_GROUP}
+
+
+class Int4(KiviScheme):
+    name = "int4"
+    bits = 4
+    residual_tokens = 0
+    page_sizes = (8, 16, 32, 64, 128)
+    summary = "KIVI 4-bit: keys per channel over each page, values per token in groups of 32; partial tail page in fp"
+
+
+class Int2(KiviScheme):
+    name = "int2"
+    bits = 2
+    residual_tokens = 128
+    page_sizes = (16, 32, 64, 128)
+    summary = "KIVI 2-bit: keys per channel over each page, values per token in groups of 32; last 128 tokens in fp"
+
+
+@hookimpl
+def kvgen_register_schemes(register):
+    register(Int4())
+    register(Int2())

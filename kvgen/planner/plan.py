@@ -1,0 +1,67 @@
+"""Plan: the planner's frozen, JSON-able output, with a reason for every decision."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything later stages need to know about the KV cache of one deployment.
+
+    Byte counts are exact integers. ``kv_bytes_per_token`` covers the whole
+    model (all layers and KV heads); ``*_per_gpu`` one tensor-parallel rank.
+    ``num_pages``/``num_residual_pages`` are the per-GPU pool sizes (compressed
+    pool, and the compute-dtype residual pool of schemes that keep one).
+    ``page_tensors`` is the scheme's compressed page layout (name, dtype,
+    shape per page and KV head) for the runtime to allocate.
+    """
+
+    name: str
+    model: str
+    target: str
+    scheme: str
+    scheme_params: dict[str, Any]
+    page_size: int
+    compute_dtype: str
+    tp: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    kv_heads_per_gpu: int
+    q_heads_per_gpu: int
+    kv_replication: int
+    head_dim: int
+    gqa_group: int
+    sliding_window: int
+    context: int
+    concurrency: int
+    kv_bytes_per_token: int
+    kv_bytes_per_token_per_gpu: int
+    residual_bytes_per_token_per_gpu: int
+    weight_bytes: int
+    weight_bytes_per_gpu: int
+    workspace_bytes: int
+    kv_budget_bytes: int
+    num_pages: int
+    num_residual_pages: int
+    capacity_tokens: int
+    capacity_sequences: int
+    tiering: str
+    host_tier_bytes: int
+    host_transfer_ms_per_step: float
+    arch: str
+    page_tensors: list[dict[str, Any]] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    formulas: list[str] = field(default_factory=list)
+    model_spec: dict[str, Any] = field(default_factory=dict)
+    target_spec: dict[str, Any] = field(default_factory=dict)
+    workload: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Plan":
+        return cls(**data)

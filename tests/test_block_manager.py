@@ -1,0 +1,435 @@
+"""BlockManager: page accounting, copy-on-write, prefix cache, LRU, atomic OutOfPages.
+
+The stateful tests drive a BlockManager with random add / prefix-hit / fork /
+append / free calls while simulating the page contents the caller would
+write: every token's "KV" is the tuple of the sequence's token ids up to and
+including it, so a page shared or reused from the prefix cache reads back
+right only if it really holds the same prefix. After every step each
+sequence's content, read through its block table, must equal what was
+appended to it, and the pools' books must balance.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import hashlib
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvgen.runtime.block_manager import COMPRESSED, RESIDUAL, AppendPlan, BlockManager, page_hash
+from kvgen.runtime.errors import KvgenRuntimeError, OutOfPages, UnknownSequence
+
+POISON = "freed"
+
+
+def kv(tokens: list[int], i: int) -> tuple[int, ...]:
+    """The simulated KV of token ``i``: it depends on the whole prefix, as real KV does."""
+    return tuple(tokens[: i + 1])
+
+
+class _Cache(RuleBasedStateMachine):
+    """Random calls against one BlockManager plus a simulated page memory."""
+
+    P = 2
+    R: int | None = None
+    NC = 10
+    NR = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(self.P, self.NC, self.NR, self.R, "scheme")
+        self.mem: dict[tuple[str, int], list] = {}
+        self.tokens: dict[int, list[int]] = {}   # every token of each live sequence
+        self.pinned: dict[int, int] = {}         # pages reused from the prefix cache at add time
+        self.history: list[list[int]] = [[]]     # token lists the manager has seen, for prefix hits
+        self.next_id = 0
+        self.hits = 0
+
+    # -- helpers --------------------------------------------------------------
+    def _expected_nc(self, sid: int) -> int:
+        n, P = len(self.tokens[sid]), self.P
+        formula = -(-n // P) if self.R is None else max(0, n // P - self.R // P)
+        return max(self.pinned[sid], formula)
+
+    def _append(self, sid: int, new: list[int], with_ids: bool) -> None:
+        bm = self.bm
+        ids = new if with_ids else None
+        expect_ok = bm.can_append(sid, len(new), ids)
+        before = copy.deepcopy(vars(bm))
+        try:
+            plan = bm.append(sid, len(new), ids)
+        except OutOfPages:
+            assert not expect_ok
+            assert vars(bm) == before, "OutOfPages changed the manager's state"
+            return
+        assert expect_ok
+        assert isinstance(plan, AppendPlan)
+        assert plan.write_pool == (COMPRESSED if self.R is None else RESIDUAL)
+        assert len(plan.slots) == len(new)
+        if self.R is None:
+            assert plan.conversions == []
+        # 1. copies, 2. writes, 3. conversions -- the order AppendPlan documents
+        for pool, src, dst in plan.copies:
+            assert pool == plan.write_pool
+            self.mem[(pool, dst)] = list(self.mem[(pool, src)])
+        base = self.tokens[sid]
+        full = base + new
+        for j, slot in enumerate(plan.slots):
+            page, off = divmod(slot, self.P)
+            self.mem.setdefault((plan.write_pool, page), [POISON] * self.P)[off] = kv(full, len(base) + j)
+        for src, dst in plan.conversions:
+            self.mem[(COMPRESSED, dst)] = list(self.mem[(RESIDUAL, src)])
+        self.tokens[sid] = full
+        if with_ids and len(self.history) < 30:
+            self.history.append(full)
+
+    def _pick(self, data) -> int:
+        return data.draw(st.sampled_from(sorted(self.tokens)))
+
+    # -- rules ------------------------------------------------------------------
+    @rule(data=st.data(), with_prompt=st.booleans())
+    def add(self, data, with_prompt: bool) -> None:
+        sid = self.next_id
+        self.next_id += 1
+        prompt: list[int] = []
+        if with_prompt:
+            base = data.draw(st.sampled_from(self.history))
+            cut = data.draw(st.integers(0, len(base)))
+            prompt = base[:cut] + data.draw(st.lists(st.integers(0, 1), max_size=2 * self.P + 1))
+        hit = self.bm.add_sequence(sid, prompt)
+        assert hit % self.P == 0 and 0 <= hit <= len(prompt)
+        if self.R is not None:
+            assert hit // self.P <= max(0, len(prompt) // self.P - self.R // self.P)
+        self.hits += hit > 0
+        self.tokens[sid] = prompt[:hit]
+        self.pinned[sid] = hit // self.P
+        assert self.bm.seq_len(sid) == hit
+        # the reused pages must hold exactly the KV of these tokens: checked by the invariant
+        self.check_books()
+        if hit < len(prompt):
+            self._append(sid, prompt[hit:], True)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), with_ids=st.booleans())
+    def append(self, data, with_ids: bool) -> None:
+        sid = self._pick(data)
+        new = data.draw(st.lists(st.integers(0, 1), min_size=0, max_size=2 * self.P + 1))
+        self._append(sid, new, with_ids)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data) -> None:
+        parent = self._pick(data)
+        child = self.next_id
+        self.next_id += 1
+        self.bm.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+        self.pinned[child] = self.pinned[parent]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data) -> None:
+        sid = self._pick(data)
+        self.bm.free(sid)
+        del self.tokens[sid]
+        del self.pinned[sid]
+
+    # -- invariants -------------------------------------------------------------
+    @invariant()
+    def check_books(self) -> None:
+        bm, P = self.bm, self.P
+        assert bm.sequences() == [s for s in self.tokens]  # both in insertion order
+        refs: Counter = Counter()
+        for sid, toks in self.tokens.items():
+            table, nc, n = bm.block_table(sid), bm.num_compressed(sid), bm.seq_len(sid)
+            assert n == len(toks)
+            assert len(table) == -(-n // P)
+            assert nc == self._expected_nc(sid)
+            for i, page in enumerate(table):
+                refs[(COMPRESSED if i < nc else RESIDUAL, page)] += 1
+            got = [self.mem[(COMPRESSED if i // P < nc else RESIDUAL, table[i // P])][i % P] for i in range(n)]
+            assert got == [kv(toks, i) for i in range(n)], f"sequence {sid} reads wrong KV"
+        lru = list(bm._lru)
+        for pool, size in ((COMPRESSED, self.NC), (RESIDUAL, self.NR)):
+            free = list(bm._pools[pool].free)
+            evictable = lru if pool == COMPRESSED else []
+            assert len(set(free)) == len(free), f"{pool} page freed twice"
+            assert len(set(evictable)) == len(evictable)
+            assert not set(free) & set(evictable)
+            referenced = 0
+            for page in range(size):
+                r = bm.ref_count(pool, page)
+                assert r == refs[(pool, page)], f"{pool} page {page}: ref {r}, {refs[(pool, page)]} references"
+                on_lists = (page in free) + (page in evictable)
+                assert on_lists == (0 if r else 1), f"{pool} page {page} leaked or double-listed"
+                referenced += r > 0
+            assert referenced + len(free) + len(evictable) == size
+            assert bm.num_free_pages(pool) == len(free) + len(evictable)
+            for page in free:  # a freed page's old content must never be read again
+                self.mem[(pool, page)] = [POISON] * P
+        # prefix-cache maps agree, and every evictable page is a cached one
+        assert {h: p for p, h in bm._page_hash.items()} == bm._hash_page
+        assert all(p in bm._page_hash for p in lru)
+
+
+_SETTINGS = settings(max_examples=150, stateful_step_count=30, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+
+
+class _NoResidual(_Cache):
+    P, R, NC, NR = 2, None, 10, 0
+
+
+class _ResidualZero(_Cache):
+    P, R, NC, NR = 3, 0, 10, 4
+
+
+class _ResidualTwoPages(_Cache):
+    P, R, NC, NR = 2, 4, 3, 16
+
+
+TestNoResidual = _NoResidual.TestCase
+TestNoResidual.settings = _SETTINGS
+TestResidualZero = _ResidualZero.TestCase
+TestResidualZero.settings = _SETTINGS
+TestResidualTwoPages = _ResidualTwoPages.TestCase
+TestResidualTwoPages.settings = _SETTINGS
+
+
+# -- unit tests -------------------------------------------------------------------
+def test_fresh_pool_allocates_in_order_and_slots_are_page_times_size_plus_offset():
+    bm = BlockManager(4, 8, 0, None)
+    bm.add_sequence("a")
+    plan = bm.append("a", 6)
+    assert plan.slots == [0, 1, 2, 3, 4, 5]
+    assert bm.block_table("a") == [0, 1]
+    assert bm.num_compressed("a") == 2 and bm.seq_len("a") == 6
+    assert bm.num_free_pages(COMPRESSED) == 6
+    assert bm.append("a", 0) == AppendPlan([], [], [], COMPRESSED)
+
+
+def test_copy_on_write_no_residual():
+    bm = BlockManager(4, 8, 0, None)
+    bm.add_sequence("a")
+    bm.append("a", 6)                      # pages [0, 1], page 1 half full
+    bm.fork("a", "b")
+    assert bm.ref_count(COMPRESSED, 0) == 2 and bm.ref_count(COMPRESSED, 1) == 2
+    plan = bm.append("b", 1)
+    assert plan.copies == [(COMPRESSED, 1, 2)]
+    assert plan.slots == [2 * 4 + 2]
+    assert bm.block_table("b") == [0, 2] and bm.block_table("a") == [0, 1]
+    assert bm.ref_count(COMPRESSED, 1) == 1 and bm.ref_count(COMPRESSED, 0) == 2
+    plan = bm.append("a", 1)               # a is now the only owner of page 1: no copy
+    assert plan.copies == [] and plan.slots == [1 * 4 + 2]
+
+
+def test_fork_at_page_boundary_needs_no_copy():
+    bm = BlockManager(2, 8, 0, None)
+    bm.add_sequence("a")
+    bm.append("a", 4)
+    bm.fork("a", "b")
+    plan = bm.append("b", 1)
+    assert plan.copies == [] and bm.block_table("b") == [0, 1, 2]
+
+
+def test_copy_on_write_residual_pool():
+    bm = BlockManager(4, 8, 4, 0)
+    bm.add_sequence("a")
+    plan = bm.append("a", 2)
+    assert plan.write_pool == RESIDUAL and plan.slots == [0, 1]
+    bm.fork("a", "b")
+    plan = bm.append("b", 2)               # fills the shared residual page: copy, then convert
+    assert plan.copies == [(RESIDUAL, 0, 1)]
+    assert plan.slots == [6, 7]
+    assert plan.conversions == [(1, 0)]
+    assert bm.block_table("b") == [0] and bm.num_compressed("b") == 1
+    assert bm.ref_count(RESIDUAL, 1) == 0 and bm.ref_count(RESIDUAL, 0) == 1
+    assert bm.num_free_pages(RESIDUAL) == 3
+
+
+def test_residual_window_conversions():
+    bm = BlockManager(2, 8, 8, 4)          # two full pages stay residual
+    bm.add_sequence("a")
+    plan = bm.append("a", 5)               # pages 0, 1 full + tail: nothing to convert yet
+    assert plan.conversions == [] and bm.num_compressed("a") == 0
+    plan = bm.append("a", 1)               # 6 tokens: 3 full pages, the oldest leaves the window
+    assert plan.conversions == [(0, 0)]
+    assert bm.num_compressed("a") == 1
+    assert bm.block_table("a") == [0, 1, 2]  # compressed 0, then residual 1, 2
+    assert bm.ref_count(RESIDUAL, 0) == 0 and bm.ref_count(COMPRESSED, 0) == 1
+    plan = bm.append("a", 5)               # 11 tokens: 5 full pages, 3 compressed
+    assert [src for src, _ in plan.conversions] == [1, 2]
+    assert bm.num_compressed("a") == 3
+
+
+def test_prefix_hit_counts_whole_pages():
+    bm = BlockManager(4, 16, 0, None, "int8")
+    bm.add_sequence("a", list(range(10)))
+    bm.append("a", 10, list(range(10)))    # pages [0..3], [4..7] full and cached
+    assert bm.add_sequence("b", list(range(8)) + [99, 98]) == 8
+    assert bm.block_table("b") == bm.block_table("a")[:2]
+    assert bm.ref_count(COMPRESSED, bm.block_table("a")[0]) == 2
+    assert bm.add_sequence("c", [0, 1, 2, 3, 7, 7, 7, 7]) == 4
+    assert bm.add_sequence("d", [1, 2, 3, 4]) == 0
+    assert bm.add_sequence("e", [0, 1, 2]) == 0  # no full page
+    assert bm.add_sequence("f", list(range(8))) == 8  # whole prompt may hit
+    assert bm.seq_len("f") == 8 and bm.num_compressed("f") == 2
+
+
+def test_prefix_cache_is_per_scheme_and_needs_token_ids():
+    bm = BlockManager(2, 8, 0, None, "int8")
+    bm.add_sequence("a")
+    bm.append("a", 4)                      # no token ids: never cached
+    assert bm.add_sequence("b", [0, 1, 2, 3]) == 0
+    bm.append("b", 4, [0, 1, 2, 3])
+    bm.append("b", 2)                      # ids dropped: this and later pages never cached
+    bm.append("b", 2, [6, 6])
+    assert bm.add_sequence("c", [0, 1, 2, 3, 5, 5]) == 4
+    assert bm.add_sequence("c2", [0, 1, 2, 3, 5, 5, 6, 6]) == 4
+    assert page_hash(None, [0, 1], "int8") != page_hash(None, [0, 1], "fp8")
+    other = BlockManager(2, 8, 0, None, "fp8")
+    assert other.add_sequence("x", [0, 1]) == 0
+
+
+def test_prefix_hit_residual_scheme_only_final_compressed_pages():
+    bm = BlockManager(2, 8, 8, 4, "kivi")  # R = 2 pages
+    toks = [1, 2, 3, 4, 5, 6, 7, 8]        # 4 full pages: 2 compressed, 2 residual
+    bm.add_sequence("a", toks)
+    bm.append("a", 8, toks)
+    assert bm.num_compressed("a") == 2
+    assert bm.add_sequence("b", toks) == 4             # only the 2 compressed pages
+    assert bm.block_table("b") == bm.block_table("a")[:2] and bm.num_compressed("b") == 2
+    assert bm.add_sequence("c", toks[:6]) == 2         # 3 full pages: 1 would be compressed
+    assert bm.num_compressed("c") == 1 and bm.compressed_pages(2) == 0
+    assert bm.add_sequence("d", toks[:4]) == 0         # both pages would stay residual
+    plan = bm.append("b", 4, toks[4:])                  # the rest of the prompt: no conversion yet
+    assert plan.conversions == [] and bm.num_compressed("b") == bm.compressed_pages(8) == 2
+
+
+def test_conversion_reuses_an_already_cached_compressed_page():
+    bm = BlockManager(2, 8, 8, 0, "kivi")
+    bm.add_sequence("a")
+    plan = bm.append("a", 2, [7, 8])
+    assert plan.conversions == [(0, 0)]
+    bm.add_sequence("b")
+    plan = bm.append("b", 2, [7, 8])       # same prefix: share compressed page 0, no quantize
+    assert plan.conversions == [] and plan.slots == [0, 1]
+    assert bm.block_table("b") == [0] and bm.ref_count(COMPRESSED, 0) == 2
+    assert bm.num_free_pages(RESIDUAL) == 8
+
+
+def test_lru_eviction_order_and_revival():
+    bm = BlockManager(2, 4, 0, None)
+    bm.add_sequence("a", [1, 2, 3, 4])
+    bm.append("a", 4, [1, 2, 3, 4])        # pages 0 ([1,2]) and 1 ([3,4]) cached
+    bm.add_sequence("x", [9, 9])
+    bm.append("x", 2, [9, 9])              # page 2 cached
+    bm.free("a")                           # tail first: LRU = [1, 0]
+    bm.free("x")                           # LRU = [1, 0, 2]
+    assert list(bm._lru) == [1, 0, 2]
+    assert bm.num_free_pages(COMPRESSED) == 4
+    bm.add_sequence("b")
+    bm.append("b", 2)                      # takes the free page 3, evicts nothing
+    assert bm.block_table("b") == [3] and list(bm._lru) == [1, 0, 2]
+    bm.append("b", 2)                      # free list empty: evicts page 1 ([3,4]) first
+    assert bm.block_table("b") == [3, 1] and list(bm._lru) == [0, 2]
+    assert bm.add_sequence("c", [1, 2, 3, 4]) == 2   # [1,2] still cached, [3,4] gone
+    assert list(bm._lru) == [2] and bm.ref_count(COMPRESSED, 0) == 1  # revived
+    bm.append("b", 1)                      # evicts page 2 ([9,9])
+    assert bm.block_table("b") == [3, 1, 2]
+    assert bm.add_sequence("d", [9, 9]) == 0
+
+
+def test_out_of_pages_is_atomic():
+    bm = BlockManager(2, 3, 0, None)
+    bm.add_sequence("a", [1, 2])
+    bm.append("a", 2, [1, 2])
+    bm.free("a")                           # page 0 is cached and evictable
+    bm.add_sequence("b")
+    bm.append("b", 3)                      # free pages 1 and 2; page 0 stays cached
+    before = copy.deepcopy(vars(bm))
+    assert not bm.can_append("b", 4)
+    with pytest.raises(OutOfPages, match="compressed pool is out of pages"):
+        bm.append("b", 4)                  # needs 2 pages, only the cached page 0 is evictable
+    assert vars(bm) == before
+    assert bm.add_sequence("c", [1, 2]) == 2  # the cached page was not evicted
+
+
+def test_out_of_pages_residual_and_compressed_are_atomic():
+    bm = BlockManager(2, 1, 2, 0)
+    bm.add_sequence("a")
+    bm.append("a", 2)                      # converted into compressed page 0
+    before = copy.deepcopy(vars(bm))
+    with pytest.raises(OutOfPages, match="residual"):
+        bm.append("a", 6)                  # needs 3 residual pages
+    assert vars(bm) == before
+    with pytest.raises(OutOfPages, match="compressed"):
+        bm.append("a", 2)                  # residual fits, but conversion needs a compressed page
+    assert vars(bm) == before
+
+
+def test_errors():
+    bm = BlockManager(2, 4, 0, None)
+    bm.add_sequence("a")
+    with pytest.raises(KvgenRuntimeError, match="already exists"):
+        bm.add_sequence("a")
+    with pytest.raises(UnknownSequence):
+        bm.append("nope", 1)
+    with pytest.raises(UnknownSequence):
+        bm.free("nope")
+    with pytest.raises(KvgenRuntimeError, match="token ids"):
+        bm.append("a", 2, [1])
+    with pytest.raises(KvgenRuntimeError):
+        bm.append("a", -1)
+    with pytest.raises(KvgenRuntimeError, match="already exists"):
+        bm.fork("a", "a")
+    with pytest.raises(KvgenRuntimeError, match="unknown pool"):
+        bm.num_free_pages("gpu")
+    with pytest.raises(KvgenRuntimeError):
+        bm.ref_count(COMPRESSED, 4)
+    with pytest.raises(KvgenRuntimeError):
+        BlockManager(0, 4, 0, None)
+    with pytest.raises(KvgenRuntimeError):
+        BlockManager(2, 4, 0, -2)
+    assert issubclass(OutOfPages, KvgenRuntimeError) and issubclass(UnknownSequence, KvgenRuntimeError)
+    bm.free("a")
+    with pytest.raises(UnknownSequence):
+        bm.seq_len("a")
+
+
+def test_page_hash_is_a_sha256_chain():
+    first = hashlib.sha256(repr((None, (1, 2), "s")).encode()).hexdigest()
+    assert page_hash(None, [1, 2], "s") == first
+    assert page_hash(first, (3, 4), "s") == hashlib.sha256(repr((first, (3, 4), "s")).encode()).hexdigest()
+
+
+def test_two_managers_make_identical_decisions():
+    def script(bm: BlockManager) -> list:
+        out = []
+        for i in range(6):
+            out.append(bm.add_sequence(i, [i % 2] * 4))
+            out.append(bm.append(i, 5, [i % 2] * 5))
+            if i % 3 == 2:
+                bm.fork(i, f"f{i}")
+                out.append(bm.append(f"f{i}", 3, [1, 1, 1]))
+                bm.free(i - 1)
+        return out + [bm.block_table(s) for s in bm.sequences()]
+
+    assert script(BlockManager(2, 40, 20, 2, "k")) == script(BlockManager(2, 40, 20, 2, "k"))
+
+
+def test_runtime_imports_nothing_from_kvgen():
+    runtime = Path(__file__).resolve().parents[1] / "kvgen" / "runtime"
+    for name in ("block_manager.py", "errors.py"):
+        tree = ast.parse((runtime / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level > 0 or not (node.module or "").startswith("kvgen"), name
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("kvgen") for a in node.names), name
