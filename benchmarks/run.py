@@ -1,0 +1,346 @@
+"""kvgen's GPU benchmark: one process, one table.
+
+    python -m benchmarks.run [--quick] [--schemes bf16,int8,...] [--out DIR]
+
+Measures, in this order: the device copy bandwidth (a 4 GiB device-to-device
+copy, read + write bytes); every scheme's generated decode kernel at the
+shapes of ../shared/ANCHORS.md (best of the kernel's own tuning candidates,
+median of triton.testing.do_bench), bytes it reads, fraction of copy
+bandwidth, ratio to contiguous bf16 SDPA in the same run, and its error
+against float32 attention over the unquantized K/V; cache writes (one decode
+step and a 4096-token prefill); paged prefill at 8K against SDPA flash; and
+``kvgen compile`` wall time cold and cached. Writes ``results.json`` and
+``bandwidth.png`` under ``benchmarks/results/<date>-<gpu>/`` and prints the
+table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ANCHOR_SHAPES = [  # (B, L, Hq, Hkv, D) from ../shared/ANCHORS.md
+    (32, 4096, 64, 8, 128),
+    (32, 16384, 64, 8, 128),
+    (8, 32768, 64, 8, 128),
+    (1, 131072, 64, 8, 128),
+    (64, 2048, 32, 8, 128),
+    (16, 8192, 32, 4, 64),
+]
+PAGE = 16
+SCHEMES = ("bf16", "fp8", "int8", "int4", "int2")
+
+
+def bench(fn, rep_ms: int = 200) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    n = 4 * 2**30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+class DecodeCase:
+    """Random K/V for B sequences of L tokens in one scheme's pages, shuffled page ids."""
+
+    def __init__(self, scheme, B, L, Hq, Hkv, D, dtype=torch.bfloat16, seed=0):
+        from kvgen.runtime.pools import allocate_pool
+
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.B, self.L, self.Hq, self.Hkv, self.D = B, L, Hq, Hkv, D
+        pages_per_seq = L // PAGE
+        num_pages = B * pages_per_seq
+        tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in scheme.page_tensors(D, PAGE)]
+        self.pools = allocate_pool(tensors, num_pages, Hkv, dtype, "cuda")
+        if scheme.residual_tokens is not None:
+            self.pools.update(allocate_pool([{"name": "rk", "dtype": "compute", "shape": [PAGE, D]},
+                                             {"name": "rv", "dtype": "compute", "shape": [PAGE, D]}], 1, Hkv, dtype, "cuda"))
+        perm = torch.randperm(num_pages, device="cuda", generator=g).to(torch.int32)
+        self.block_tables = perm.view(B, pages_per_seq).contiguous()
+        self.seq_lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        self.num_compressed = torch.full((B,), scheme.compressed_pages(L, PAGE), dtype=torch.int32, device="cuda")
+        self.q = torch.randn(B, Hq, D, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+        # Quantize chunk by chunk (all heads of a page are independent rows for every scheme).
+        self.k_raw = torch.empty(B, Hkv, L, D, dtype=dtype, device="cuda")
+        self.v_raw = torch.empty_like(self.k_raw)
+        self.bytes = 0
+        for b in range(B):
+            k = torch.randn(Hkv, L, D, generator=g, device="cuda")
+            v = torch.randn(Hkv, L, D, generator=g, device="cuda")
+            self.k_raw[b], self.v_raw[b] = k.to(dtype), v.to(dtype)
+            kp = k.view(Hkv, pages_per_seq, PAGE, D).transpose(0, 1).reshape(-1, PAGE, D)
+            vp = v.view(Hkv, pages_per_seq, PAGE, D).transpose(0, 1).reshape(-1, PAGE, D)
+            q = scheme.quantize_page(kp, vp)
+            ids = self.block_tables[b].long()
+            for name, t in q.items():
+                self.pools[name][ids] = t.view(pages_per_seq, Hkv, *t.shape[1:]).to(self.pools[name].dtype)
+        for t in scheme.page_tensors(D, PAGE):
+            self.bytes += self.pools[t.name][0].numel() * self.pools[t.name].element_size() * pages_per_seq * B
+        self.bytes += self.block_tables.numel() * 4
+
+    def reference(self) -> torch.Tensor:
+        """float32 attention over the unquantized K/V (what a user compares against)."""
+        G = self.Hq // self.Hkv
+        q = self.q.float().view(self.B, self.Hkv, G, self.D)
+        out = torch.empty(self.B, self.Hkv, G, self.D, device="cuda")
+        for b in range(self.B):
+            s = torch.einsum("hgd,hld->hgl", q[b], self.k_raw[b].float()) / math.sqrt(self.D)
+            out[b] = torch.einsum("hgl,hld->hgd", s.softmax(-1), self.v_raw[b].float())
+        return out.view(self.B, self.Hq, self.D)
+
+
+def sdpa_decode_ms(case: DecodeCase) -> float:
+    q = case.q.view(case.B, case.Hq, 1, case.D)
+    f = torch.nn.functional.scaled_dot_product_attention
+    return bench(lambda: f(q, case.k_raw, case.v_raw, enable_gqa=True))
+
+
+def kernel_module(op, scheme_name, Hkv, G, D, dtype="bfloat16"):
+    from kvgen.codegen.loader import load_kernel
+    from kvgen.codegen.spec import KernelSpec
+    from kvgen.registry import default_registry
+
+    scheme = default_registry().schemes[scheme_name]
+    spec = KernelSpec(op=op, scheme=scheme_name, head_dim=D, num_kv_heads=Hkv, gqa_group=G, page_size=PAGE,
+                      compute_dtype=dtype, arch="sm_90")
+    return load_kernel(spec, scheme), scheme
+
+
+def best_config(mod, run, batch, length):
+    """Time every tuning candidate; return (best ms, best config, per-candidate times)."""
+    results = []
+    for cfg in mod.candidates(batch, length):
+        try:
+            results.append((bench(lambda: run(cfg), rep_ms=60), cfg))
+        except Exception as exc:  # a candidate that does not compile (registers, smem) is skipped
+            print(f"    candidate {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+    ms, cfg = min(results, key=lambda r: r[0])
+    return bench(lambda: run(cfg)), cfg, results
+
+
+def decode_records(schemes, shapes, copy_bw, log):
+    records = []
+    bf16_ms = {}
+    for (B, L, Hq, Hkv, D) in shapes:
+        sdpa_ms = None
+        for name in schemes:
+            mod, scheme = kernel_module("decode", name, Hkv, Hq // Hkv, D)
+            case = DecodeCase(scheme, B, L, Hq, Hkv, D)
+            if sdpa_ms is None:
+                sdpa_ms = sdpa_decode_ms(case)
+            out = torch.empty_like(case.q)
+            sm = 1 / math.sqrt(D)
+
+            def run(cfg):
+                mod.launch(case.q, out, case.pools, case.block_tables, case.seq_lens, case.num_compressed, sm, cfg)
+
+            ms, cfg, _ = best_config(mod, run, B, L)
+            run(cfg)
+            torch.cuda.synchronize()
+            err = rel_l2(out.float(), case.reference())
+            if name == "bf16":
+                bf16_ms[(B, L, Hq, Hkv, D)] = ms
+            rec = dict(op="decode", scheme=name, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, page_size=PAGE, ms=ms,
+                       bytes=case.bytes, bw_fraction=case.bytes / (ms * 1e-3) / copy_bw, sdpa_ms=sdpa_ms,
+                       ratio_to_sdpa=ms / sdpa_ms, ratio_to_bf16=ms / bf16_ms.get((B, L, Hq, Hkv, D), float("nan")),
+                       rel_error=err, config=cfg)
+            log(rec)
+            records.append(rec)
+            del case
+            torch.cuda.empty_cache()
+    return records
+
+
+def write_records(schemes, copy_bw, log):
+    """Cache write (quantize + scatter) of one decode step (32 tokens) and of a 4096-token prefill."""
+    records = []
+    Hkv, D = 8, 128
+    for name in schemes:
+        mod, scheme = kernel_module("cache_write", name, Hkv, 8, D)
+        for N, label in ((32, "decode step"), (4096, "prefill 4096")):
+            from kvgen.runtime.pools import allocate_pool
+
+            pages = max(64, 4 * N // PAGE)
+            if scheme.residual_tokens is None:
+                tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in scheme.page_tensors(D, PAGE)]
+            else:
+                tensors = [{"name": "rk", "dtype": "compute", "shape": [PAGE, D]},
+                           {"name": "rv", "dtype": "compute", "shape": [PAGE, D]}]
+            pools = allocate_pool(tensors, pages, Hkv, torch.bfloat16, "cuda")
+            k = torch.randn(N, Hkv, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            slots = torch.randperm(pages * PAGE, device="cuda")[:N].long()
+            written = sum(pools[t["name"]][0].numel() * pools[t["name"]].element_size() for t in tensors) / PAGE * N
+            nbytes = 2 * k.numel() * k.element_size() + written + slots.numel() * 8
+            ms = bench(lambda: mod.launch(k, v, pools, slots))
+            rec = dict(op="write", scheme=name, B=N, L=1, Hq=64, Hkv=Hkv, D=D, page_size=PAGE, ms=ms, bytes=int(nbytes),
+                       bw_fraction=nbytes / (ms * 1e-3) / copy_bw, sdpa_ms=None, rel_error=None, note=label)
+            log(rec)
+            records.append(rec)
+    return records
+
+
+def prefill_records(schemes, copy_bw, log):
+    records = []
+    B, L, Hq, Hkv, D = 4, 8192, 64, 8, 128
+    for name in schemes:
+        mod, scheme = kernel_module("prefill", name, Hkv, Hq // Hkv, D)
+        case = DecodeCase(scheme, B, L, Hq, Hkv, D)
+        q = torch.randn(B * L, Hq, D, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        cu = torch.arange(0, B + 1, device="cuda", dtype=torch.int32) * L
+        flops = 4 * B * Hq * D * L * L / 2
+
+        def run(cfg):
+            mod.launch(q, out, case.pools, case.block_tables, case.seq_lens, case.num_compressed, cu, L, 1 / math.sqrt(D), cfg)
+
+        ms, cfg, _ = best_config(mod, run, B, L)
+        qs = q.view(B, L, Hq, D).transpose(1, 2)
+        f = torch.nn.functional.scaled_dot_product_attention
+        sdpa_ms = bench(lambda: f(qs, case.k_raw, case.v_raw, is_causal=True, enable_gqa=True))
+        rec = dict(op="prefill", scheme=name, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, page_size=PAGE, ms=ms, bytes=case.bytes,
+                   bw_fraction=None, sdpa_ms=sdpa_ms, tflops=flops / (ms * 1e-3) / 1e12,
+                   ratio_to_sdpa_throughput=sdpa_ms / ms, rel_error=None, config=cfg)
+        log(rec)
+        records.append(rec)
+        del case
+        torch.cuda.empty_cache()
+    return records
+
+
+def compile_records(log):
+    from kvgen.codegen.package import compile_plan
+    from kvgen.models import resolve_model
+    from kvgen.planner.planner import make_plan
+    from kvgen.planner.workload import Workload
+    from kvgen.registry import default_registry
+    from kvgen.targets import resolve_target
+
+    records = []
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        plan = make_plan(resolve_model("llama-3-70b"), resolve_target("h100"), Workload(), default_registry().schemes, kv="int4")
+        cold = compile_plan(plan, Path(d) / plan.name)
+        cold_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        plan = make_plan(resolve_model("llama-3-70b"), resolve_target("h100"), Workload(), default_registry().schemes, kv="int4")
+        warm = compile_plan(plan, Path(d) / plan.name)
+        warm_s = time.perf_counter() - t1
+        assert warm.unchanged
+    for label, s in (("cold", cold_s), ("cached", warm_s)):
+        rec = dict(op="compile", scheme="int4", B=None, L=None, Hq=64, Hkv=8, D=128, page_size=16, ms=s * 1e3,
+                   bytes=None, bw_fraction=None, sdpa_ms=None, rel_error=None, note=label)
+        log(rec)
+        records.append(rec)
+    return records
+
+
+def plot(records, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    dec = [r for r in records if r["op"] == "decode"]
+    shapes = sorted({(r["B"], r["L"], r["Hq"], r["Hkv"], r["D"]) for r in dec}, key=str)
+    schemes = sorted({r["scheme"] for r in dec}, key=lambda s: SCHEMES.index(s) if s in SCHEMES else 99)
+    fig, ax = plt.subplots(figsize=(12, 5))
+    width = 0.8 / max(1, len(schemes))
+    for i, s in enumerate(schemes):
+        ys = [next((r["bw_fraction"] for r in dec if r["scheme"] == s and (r["B"], r["L"], r["Hq"], r["Hkv"], r["D"]) == sh), 0)
+              for sh in shapes]
+        ax.bar([x + i * width for x in range(len(shapes))], ys, width, label=s)
+    ax.axhline(1.0, color="k", linestyle="--", label="copy bandwidth (roofline)")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))])
+    ax.set_xticklabels([f"B{b} L{l}\n{hq}/{hk} D{d}" for b, l, hq, hk, d in shapes], fontsize=8)
+    ax.set_ylabel("fraction of copy bandwidth (bytes read)")
+    ax.set_title("kvgen paged decode")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def table(records) -> str:
+    lines = [f"{'op':8} {'scheme':6} {'B':>5} {'L':>7} {'Hq/Hkv':>7} {'D':>4} {'ms':>9} {'bw':>6} {'sdpa ms':>8} "
+             f"{'x sdpa':>7} {'x bf16':>7} {'err':>8}  note"]
+    for r in records:
+        def f(key, fmt):
+            v = r.get(key)
+            return format(v, fmt) if isinstance(v, (int, float)) and v == v else "-"
+        lines.append(
+            f"{r['op']:8} {r['scheme']:6} {f('B', '>5')} {f('L', '>7')} {str(r['Hq']) + '/' + str(r['Hkv']):>7} "
+            f"{r['D']:>4} {f('ms', '>9.4f')} {f('bw_fraction', '>6.3f')} {f('sdpa_ms', '>8.4f')} "
+            f"{f('ratio_to_sdpa', '>7.3f')} {f('ratio_to_bf16', '>7.3f')} {f('rel_error', '>8.4f')}  "
+            f"{r.get('note', '')}{' %.0f TFLOP/s (x%.2f SDPA)' % (r['tflops'], r['ratio_to_sdpa_throughput']) if 'tflops' in r else ''}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="first anchor shape only")
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--ops", default="decode,write,prefill,compile")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks need a CUDA GPU (run them on the device machine)", file=sys.stderr)
+        return 2
+    import triton
+
+    from kvgen.registry import default_registry
+
+    schemes = [s for s in args.schemes.split(",") if s in default_registry().schemes]
+    shapes = ANCHOR_SHAPES[:1] if args.quick else ANCHOR_SHAPES
+    gpu = torch.cuda.get_device_name()
+    date = dt.date.today().isoformat()
+    out_dir = Path(args.out) if args.out else Path(__file__).parent / "results" / f"{date}-{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def log(rec):
+        print(json.dumps({k: v for k, v in rec.items() if k != "config"}, default=str), flush=True)
+
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s on {gpu}", flush=True)
+    records = []
+    ops = args.ops.split(",")
+    if "decode" in ops:
+        records += decode_records(schemes, shapes, copy_bw, log)
+    if "write" in ops:
+        records += write_records(schemes, copy_bw, log)
+    if "prefill" in ops:
+        records += prefill_records([s for s in schemes if s in ("bf16", "int8", "int4")], copy_bw, log)
+    if "compile" in ops:
+        records += compile_records(log)
+    result = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, copy_bandwidth=copy_bw, date=date,
+                  command="python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]), records=records)
+    (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    plot(records, out_dir / "bandwidth.png")
+    print(f"\n{gpu}, torch {torch.__version__}, triton {triton.__version__}, copy bandwidth {copy_bw / 1e12:.3f} TB/s, {date}")
+    print(table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
