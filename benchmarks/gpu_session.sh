@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device-machine call: install kvgen (no network there: --no-deps, no build
+# isolation), run the GPU tests, then the benchmark. Everything it prints and
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all] [bench args...]
+set -uo pipefail
+what="${1:-all}"; shift || true
+OUT="${OUT:-/tmp/kvgen-out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 KVGEN_TEST_DEVICE=cuda KVGEN_CACHE_DIR="${KVGEN_CACHE_DIR:-/tmp/kvgen-cache}"
+{
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+} 2>&1 | tee "$OUT/env.txt"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+  || python3 -m pip install -q --no-deps --no-build-isolation . >>"$OUT/install.log" 2>&1 \
+  || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
+[ -d plugins/kvgen-nuq ] && python3 -m pip install -q --no-deps --no-build-isolation -e plugins/kvgen-nuq >>"$OUT/install.log" 2>&1
+python3 -m kvgen.cli schemes
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider -x -o addopts="" -m gpu tests 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"
+  tail -5 "$OUT/bench-stderr.log"
+fi
