@@ -324,6 +324,24 @@ def test_conversion_reuses_an_already_cached_compressed_page():
     assert bm.num_free_pages(RESIDUAL) == 8
 
 
+def test_conversion_reusing_an_evictable_page_does_not_count_it_as_free():
+    bm = BlockManager(2, 2, 8, 0, "kivi")
+    bm.add_sequence("a")
+    bm.append("a", 2, [7, 8])              # compressed page 0, cached
+    bm.free("a")                           # page 0 evictable
+    bm.add_sequence("x")
+    bm.append("x", 2)                      # compressed page 1, not cached: pool now full
+    bm.add_sequence("b")
+    before = copy.deepcopy(vars(bm))
+    assert not bm.can_append("b", 4, [7, 8, 1, 1])
+    with pytest.raises(OutOfPages, match="compressed"):
+        bm.append("b", 4, [7, 8, 1, 1])    # page 0 would be reused, so nothing is left to evict
+    assert vars(bm) == before
+    bm.free("x")
+    plan = bm.append("b", 4, [7, 8, 1, 1])
+    assert [dst for _, dst in plan.conversions] == [1] and bm.block_table("b") == [0, 1]
+
+
 def test_lru_eviction_order_and_revival():
     bm = BlockManager(2, 4, 0, None)
     bm.add_sequence("a", [1, 2, 3, 4])

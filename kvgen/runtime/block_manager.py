@@ -74,8 +74,11 @@ class AppendPlan:
        pool for schemes with a residual, else the compressed pool, quantizing).
     3. ``conversions``: for each ``(src, dst)``, quantize residual page ``src``
        (now full, after step 2) into compressed page ``dst``. The manager has
-       already released ``src``; it must not be reused before this plan has run,
-       so execute plans in order (one CUDA stream does that).
+       already released ``src``: the very next :meth:`BlockManager.append` may
+       hand it out again. Running each plan's three steps before the next
+       plan's writes (on one CUDA stream) is safe; a caller that batches the
+       writes of several appends before their conversions must keep such pages
+       from being reused meanwhile (``step.reserve_step`` does).
     """
 
     slots: list[int]
@@ -371,7 +374,7 @@ class BlockManager:
         P = self.page_size
         n0, n1 = s.length, s.length + num_tokens
         W = self.write_pool
-        cow = num_tokens > 0 and n0 % P != 0 and False
+        cow = num_tokens > 0 and n0 % P != 0 and self._pools[W].ref[s.table[n0 // P]] > 1
         new_pages = -(-n1 // P) - -(-n0 // P)
 
         new_hashes: list[str] = []
