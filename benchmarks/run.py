@@ -72,13 +72,17 @@ class DecodeCase:
         num_pages = B * pages_per_seq
         tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in scheme.page_tensors(D, PAGE)]
         self.pools = allocate_pool(tensors, num_pages, Hkv, dtype, "cuda")
-        if scheme.residual_tokens is not None:
-            self.pools.update(allocate_pool([{"name": "rk", "dtype": "compute", "shape": [PAGE, D]},
-                                             {"name": "rv", "dtype": "compute", "shape": [PAGE, D]}], 1, Hkv, dtype, "cuda"))
+        nc = scheme.compressed_pages(L, PAGE)
+        n_res = pages_per_seq - nc  # residual schemes keep each sequence's tail pages in the compute dtype
+        self.pools.update(allocate_pool([{"name": "rk", "dtype": "compute", "shape": [PAGE, D]},
+                                         {"name": "rv", "dtype": "compute", "shape": [PAGE, D]}],
+                                        max(1, B * n_res), Hkv, dtype, "cuda"))
         perm = torch.randperm(num_pages, device="cuda", generator=g).to(torch.int32)
         self.block_tables = perm.view(B, pages_per_seq).contiguous()
+        if n_res:
+            self.block_tables[:, nc:] = torch.arange(B * n_res, device="cuda", dtype=torch.int32).view(B, n_res)
         self.seq_lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-        self.num_compressed = torch.full((B,), scheme.compressed_pages(L, PAGE), dtype=torch.int32, device="cuda")
+        self.num_compressed = torch.full((B,), nc, dtype=torch.int32, device="cuda")
         self.q = torch.randn(B, Hq, D, generator=g, device="cuda", dtype=torch.float32).to(dtype)
         # Quantize chunk by chunk (all heads of a page are independent rows for every scheme).
         self.k_raw = torch.empty(B, Hkv, L, D, dtype=dtype, device="cuda")
@@ -88,14 +92,19 @@ class DecodeCase:
             k = torch.randn(Hkv, L, D, generator=g, device="cuda")
             v = torch.randn(Hkv, L, D, generator=g, device="cuda")
             self.k_raw[b], self.v_raw[b] = k.to(dtype), v.to(dtype)
-            kp = k.view(Hkv, pages_per_seq, PAGE, D).transpose(0, 1).reshape(-1, PAGE, D)
-            vp = v.view(Hkv, pages_per_seq, PAGE, D).transpose(0, 1).reshape(-1, PAGE, D)
-            q = scheme.quantize_page(kp, vp)
-            ids = self.block_tables[b].long()
-            for name, t in q.items():
-                self.pools[name][ids] = t.view(pages_per_seq, Hkv, *t.shape[1:]).to(self.pools[name].dtype)
+            kp = k.view(Hkv, pages_per_seq, PAGE, D).transpose(0, 1)[:nc].reshape(-1, PAGE, D)
+            vp = v.view(Hkv, pages_per_seq, PAGE, D).transpose(0, 1)[:nc].reshape(-1, PAGE, D)
+            ids = self.block_tables[b, :nc].long()
+            if nc:
+                for name, t in scheme.quantize_page(kp, vp).items():
+                    self.pools[name][ids] = t.view(nc, Hkv, *t.shape[1:]).to(self.pools[name].dtype)
+            if n_res:
+                rid = self.block_tables[b, nc:].long()
+                self.pools["rk"][rid] = k.view(Hkv, pages_per_seq, PAGE, D).transpose(0, 1)[nc:].to(dtype)
+                self.pools["rv"][rid] = v.view(Hkv, pages_per_seq, PAGE, D).transpose(0, 1)[nc:].to(dtype)
         for t in scheme.page_tensors(D, PAGE):
-            self.bytes += self.pools[t.name][0].numel() * self.pools[t.name].element_size() * pages_per_seq * B
+            self.bytes += self.pools[t.name][0].numel() * self.pools[t.name].element_size() * nc * B
+        self.bytes += B * n_res * 2 * Hkv * PAGE * D * self.k_raw.element_size()
         self.bytes += self.block_tables.numel() * 4
 
     def reference(self) -> torch.Tensor:
