@@ -103,16 +103,18 @@ def _quantize(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, tor
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``[..., D]`` codes -> ``[..., D/F]`` uint8; channel F*j+i in bits [i*bits, (i+1)*bits) of byte j."""
     f = 8 // bits
-    c = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // f, f)
-    shifts = torch.arange(f, dtype=torch.int32, device=codes.device) * bits
-    return (c << shifts).sum(-1).to(torch.uint8)
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // f, f)
+    out = c[..., 0].clone()
+    for i in range(1, f):
+        out |= c[..., i] << (i * bits)
+    return out
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: ``[..., D/F]`` uint8 -> ``[..., D]`` int32 codes."""
+    """Inverse of :func:`pack`: ``[..., D/F]`` uint8 -> ``[..., D]`` uint8 codes."""
     f = 8 // bits
-    shifts = torch.arange(f, dtype=torch.int32, device=packed.device) * bits
-    c = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+    mask = (1 << bits) - 1
+    c = torch.stack([(packed >> (i * bits)) & mask for i in range(f)], -1)
     return c.reshape(*packed.shape[:-1], packed.shape[-1] * f)
 
 
