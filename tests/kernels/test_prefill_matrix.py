@@ -1,292 +1,333 @@
 """Paged prefill/append kernel (templates/triton/prefill.j2) vs each scheme's reference.
 
-Every registered scheme (picked up from the registry and its capability
-declarations, no per-scheme code) is run through the generated prefill
-kernel and compared with float64 attention over the scheme's *dequantized*
-K/V, within ``scheme.tolerance`` (relative L2).
+Every registered scheme is picked up from its capability declarations
+(``harness.kernel_specs``; no per-scheme code here) and run through the
+generated prefill kernel: a chunk of query tokens per sequence (varlen,
+``cu_seqlens_q``) that are the sequence's last cached tokens, attending
+causally to its whole cache. The output (poisoned with NaN before the
+launch) is compared with float64 attention over the scheme's *dequantized*
+K/V within ``scheme.tolerance`` (relative L2). Pools start poisoned, so a
+kernel that reads an unwritten slot fails.
 
 Axes: head_dim {8, 64, 96, 128} x GQA {1, 4, 8} x page {16, 32} x sequence
 lengths {1, page-1, page, page+1, residual window + page + 1, ragged batch}
-x query chunk {whole sequence (prefill), short chunk at the end (append
-after a prefix-cache hit)}. The full product is ``slow``; the default cut
-(``test_prefill_ci``) covers every axis value at least once per scheme.
+x query chunk {whole sequence (plain prefill), short chunk at the end (append
+after a prefix-cache hit)} x compute dtype. The whole product is ``slow``;
+the default cut covers every value of every axis at least once per scheme,
+plus tile configs, sliding window, softcap and edge cases.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import os
-import zlib
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from kvgen.codegen.loader import load_kernel
-from kvgen.codegen.spec import KernelSpec
-from kvgen.registry import default_registry
+from . import harness as hz
 
-DEVICE = os.environ.get("KVGEN_TEST_DEVICE", "cpu")
 HEAD_DIMS = (8, 64, 96, 128)
 GQAS = (1, 4, 8)
 PAGES = (16, 32)
-LENGTH_KINDS = ("one", "page-1", "page", "page+1", "window+page+1", "ragged")
 CHUNKS = ("prefill", "append")
-NUM_KV_HEADS = 2
+AXES = {"head_dim": HEAD_DIMS, "gqa": GQAS, "page_size": PAGES, "lengths": hz.LENGTH_KINDS, "chunk": CHUNKS}
 
 
-# --------------------------------------------------------------------------
-# Cache builder (local; tests/kernels/harness.py replaces it once it exists)
-# --------------------------------------------------------------------------
-
-@dataclass
-class Cache:
-    pools: dict
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    num_compressed: torch.Tensor
-    ks: list          # per sequence float32 [H, seq_len, D], what the kernel must see
-    vs: list
+# --------------------------------------------------------------------------- helpers
 
 
-def make_cache(scheme, head_dim, num_kv_heads, page_size, seq_lens, compute_dtype, device, seed) -> Cache:
-    """Random K/V written page by page through the scheme's reference quantizer, pages shuffled."""
-    g = torch.Generator().manual_seed(seed)
-    H, D, P = num_kv_heads, head_dim, page_size
-    tensors = scheme.page_tensors(D, P)
-    pages = [-(-n // P) for n in seq_lens]
-    ncomp = [scheme.compressed_pages(n, P) for n in seq_lens]
-    n_c, n_r = sum(ncomp) + 1, sum(p - c for p, c in zip(pages, ncomp)) + 1
-    pools = {}
-    for t in tensors:
-        dt = t.torch_dtype(compute_dtype)
-        pools[t.name] = torch.zeros((n_c, H, *t.shape), dtype=dt)
-    residual = scheme.residual_tokens is not None
-    if residual:
-        # Unwritten residual slots hold NaN: the kernel must never read them.
-        pools["rk"] = torch.full((n_r, H, P, D), float("nan"), dtype=compute_dtype)
-        pools["rv"] = torch.full((n_r, H, P, D), float("nan"), dtype=compute_dtype)
-    cperm = torch.randperm(n_c, generator=g).tolist()
-    rperm = torch.randperm(n_r, generator=g).tolist()
-    max_pages = max(pages) + 1
-    # Entries past a sequence's pages point far outside every pool: never dereferenced.
-    bt = torch.full((len(seq_lens), max_pages), 2**30, dtype=torch.int32)
-    ks, vs = [], []
-    for b, n in enumerate(seq_lens):
-        k = torch.randn(H, pages[b] * P, D, generator=g)
-        v = torch.randn(H, pages[b] * P, D, generator=g)
-        k[:, n:] = 0.0
-        v[:, n:] = 0.0
-        kref, vref = torch.zeros_like(k), torch.zeros_like(v)
-        for i in range(pages[b]):
-            sl = slice(i * P, (i + 1) * P)
-            if i < ncomp[b]:
-                pid = cperm.pop()
-                q = scheme.quantize_page(k[:, sl], v[:, sl])
-                for name, val in q.items():
-                    pools[name][pid] = val.to(pools[name].dtype)
-                dk, dv = scheme.dequantize_page({n_: pools[n_][pid] for n_ in q}, D)
-                kref[:, sl], vref[:, sl] = dk.float(), dv.float()
-            else:
-                pid = rperm.pop()
-                m = min(P, n - i * P)
-                pools["rk"][pid, :, :m] = k[:, i * P:i * P + m].to(compute_dtype)
-                pools["rv"][pid, :, :m] = v[:, i * P:i * P + m].to(compute_dtype)
-                kref[:, sl] = k[:, sl].to(compute_dtype).float()
-                vref[:, sl] = v[:, sl].to(compute_dtype).float()
-            bt[b, i] = pid
-        ks.append(kref[:, :n])
-        vs.append(vref[:, :n])
-    as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)
-    return Cache(pools={k_: t.to(device) for k_, t in pools.items()}, block_tables=bt.to(device),
-                 seq_lens=as_i32(list(seq_lens)), num_compressed=as_i32(ncomp), ks=ks, vs=vs)
+def chunk_lens(lengths: list[int], chunk: str, page: int) -> list[int]:
+    """Query tokens per sequence: the whole sequence, or a short chunk at its end.
 
-
-def reference_attention(q, ks, vs, q_positions, window=0, softcap=0.0, sm_scale=None):
-    """float64 causal attention of one sequence: q [n, Hq, D] at absolute q_positions over ks/vs [H, L, D]."""
-    n, hq, d = q.shape
-    h = ks.shape[0]
-    dev = q.device
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
-    t = torch.arange(ks.shape[1], device=dev)[None, :]
-    pos = torch.as_tensor(q_positions, device=dev)[:, None]
-    ok = t <= pos
-    if window:
-        ok &= t > pos - window
-    out = torch.empty(n, hq, d, dtype=torch.float64, device=dev)
-    for head in range(hq):   # one head at a time: [n, L] float64 stays small at real sizes
-        k = ks[head // (hq // h)].to(dev, torch.float64)
-        v = vs[head // (hq // h)].to(dev, torch.float64)
-        s = (q[:, head].double() @ k.T) * scale
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
-        s = s.masked_fill(~ok, float("-inf"))
-        out[:, head] = torch.softmax(s, -1) @ v
-    return out
-
-
-def rel_l2(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-# --------------------------------------------------------------------------
-# The matrix
-# --------------------------------------------------------------------------
-
-def _schemes():
-    return dict(sorted(default_registry().schemes.items()))
-
-
-def _compute_dtype(scheme):
-    # bf16 is unreliable in the interpreter: on CPU bf16 pages are read into a float32 computation.
-    if DEVICE == "cpu":
-        return torch.float32 if scheme.name in ("fp32", "bf16") else torch.float16
-    return torch.bfloat16
-
-
-def _lengths(kind, page, scheme):
-    window = scheme.residual_tokens or 2 * page
-    return {
-        "one": [1],
-        "page-1": [page - 1],
-        "page": [page],
-        "page+1": [page + 1],
-        "window+page+1": [window + page + 1],
-        "ragged": [page + 1, 1, window + page + 1, 2 * page - 1, page],
-    }[kind]
-
-
-def _qlens(seq_lens, chunk, page):
-    """Whole sequence (prefill) or a short tail chunk (append); ragged batches mix both, and a 0."""
+    Append chunks vary per sequence (a few tokens, one crossing a page
+    boundary, a single token); in a batch of more than two, one sequence
+    brings no new token (qlen 0) and the last one is a whole prefill, as a
+    chunked-prefill scheduler mixes them.
+    """
     if chunk == "prefill":
-        return list(seq_lens)
-    short = [min(n, max(1, page // 4 + 1)) for n in seq_lens]
-    if len(seq_lens) > 2:
-        short[1] = 0          # a sequence with no new tokens this step
-        short[-1] = seq_lens[-1]
-    return short
-
-
-def run_case(scheme, head_dim, gqa, page, seq_lens, qlens, *, window=0, softcap=0.0, config=None,
-             compute_dtype=None, num_kv_heads=NUM_KV_HEADS, seed=0, tolerance=None):
-    if page not in scheme.page_sizes or (scheme.head_dims and head_dim not in scheme.head_dims) \
-            or (scheme.residual_tokens and scheme.residual_tokens % page):
-        pytest.skip(f"{scheme.name} does not declare head_dim {head_dim} / page {page}")
-    dtype = compute_dtype or _compute_dtype(scheme)
-    dname = str(dtype).replace("torch.", "")
-    spec = KernelSpec(op="prefill", scheme=scheme.name, head_dim=head_dim, num_kv_heads=num_kv_heads,
-                      gqa_group=gqa, page_size=page, compute_dtype=dname,
-                      arch="cpu" if DEVICE == "cpu" else "sm_90", sliding_window=window, softcap=softcap)
-    mod = load_kernel(spec, scheme, default_registry())
-    cache = make_cache(scheme, head_dim, num_kv_heads, page, seq_lens, dtype, DEVICE, seed)
-    hq = num_kv_heads * gqa
-    g = torch.Generator().manual_seed(seed + 1)
-    total_q = sum(qlens)
-    q = torch.randn(total_q, hq, head_dim, generator=g).to(dtype).to(DEVICE)
-    out = torch.full_like(q, float("nan"))          # poisoned: every valid element must be written
-    cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device=DEVICE)
-    sm_scale = 1.0 / math.sqrt(head_dim)
-    mod.launch(q, out, cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed,
-               cu, max(qlens), sm_scale, config=config)
-    refs = []
-    for b, (n, ql) in enumerate(zip(seq_lens, qlens)):
-        if ql == 0:
-            continue
-        qb = q[cu[b]:cu[b] + ql].float()
-        refs.append(reference_attention(qb, cache.ks[b], cache.vs[b], list(range(n - ql, n)),
-                                        window=window, softcap=softcap, sm_scale=sm_scale))
-    ref = torch.cat(refs)
-    assert not torch.isnan(out).any(), "kernel left output elements unwritten (or produced NaN)"
-    err = rel_l2(out, ref)
-    tol = tolerance if tolerance is not None else scheme.tolerance
-    assert err <= tol, f"{spec.name}: rel L2 {err:.3g} > {tol:.3g} (lens {seq_lens}, qlens {qlens})"
-    return err
-
-
-def _scheme_params(full=False):
-    out = []
-    for name, s in _schemes().items():
-        marks = []
-        if s.min_arch > 0 and DEVICE == "cpu":
-            marks.append(pytest.mark.skip(reason=f"{name} needs sm_{s.min_arch}, not the CPU interpreter"))
-        out.append(pytest.param(name, marks=marks, id=name))
+        return list(lengths)
+    pattern = (page // 4 + 1, page + 3, 1)
+    out = [min(n, pattern[i % len(pattern)]) for i, n in enumerate(lengths)]
+    if len(lengths) > 2:
+        out[1] = 0
+        out[-1] = lengths[-1]
     return out
 
 
-def _small_tiles(page, gqa):
-    """Smallest legal tiles: many query blocks and KV tiles even on short sequences."""
-    gp = 1 << (gqa - 1).bit_length()
-    return {"BLOCK_M": max(1, 16 // gp), "PAGES_PER_TILE": max(1, 16 // page), "num_warps": 4, "num_stages": 1}
+def small_tiles(case: hz.Case) -> dict:
+    """Small tiles (32 rows, 32 KV tokens): several query blocks and KV tiles on short sequences."""
+    gp = 1 << (case.gqa - 1).bit_length()
+    return {"block_m": max(1, 32 // gp), "pages_per_tile": max(1, 32 // case.page_size),
+            "num_warps": 4, "num_stages": 1}
 
 
-def _ci_cases():
-    """Each length kind once per scheme, cycling the other axes so each of their values appears too."""
-    cases = []
-    for i, kind in enumerate(LENGTH_KINDS):
-        head_dim = HEAD_DIMS[i % len(HEAD_DIMS)]
-        gqa = GQAS[i % len(GQAS)]
-        page = PAGES[i % len(PAGES)]
-        chunk = CHUNKS[(i // 2) % len(CHUNKS)] if kind != "ragged" else "append"
-        small = kind in ("window+page+1", "ragged")
-        cases.append((kind, head_dim, gqa, page, chunk, small))
-    # the covering set above leaves 'prefill' on the long sequence to this one
-    cases.append(("window+page+1", 128, 4, 16, "prefill", False))
-    return cases
+def run_prefill(case: hz.Case, lengths, qlens, *, config=None, seed=0, window=0, softcap=0.0, q_scale=1.0,
+                dev=None, q=None):
+    """Build a cache (deterministic in ``seed``), launch prefill into a poisoned output.
+
+    Returns (out, reference float64, reference_fn); ``q`` defaults to random queries.
+
+    ``reference_fn(window=..., softcap=...)`` recomputes the reference on the same cache and queries.
+    """
+    dev = dev or hz.device()
+    s = case.scheme_obj
+    cache = hz.make_cache(s, case.head_dim, case.num_kv_heads, case.page_size, lengths, case.dtype,
+                          device=dev, seed=seed)
+    kw = {}
+    if window:
+        kw["sliding_window"] = window
+    if softcap:
+        kw["softcap"] = softcap
+    mod = hz.load_op("prefill", s, case.head_dim, case.num_kv_heads, case.gqa, case.page_size, case.dtype,
+                     dev=dev, **kw)
+    hq = case.num_kv_heads * case.gqa
+    if q is None:
+        q = hz.random_q(sum(qlens), hq, case.head_dim, torch.float32, "cpu", seed=seed + 1) * q_scale
+        q = q.to(case.dtype).to(dev)
+    out = hz.poisoned_like(q)
+    cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32).to(dev)
+    sm_scale = 1.0 / math.sqrt(case.head_dim)
+    mod.launch(q, out, cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, cu,
+               max([0, *qlens]), sm_scale, config=config)
+    positions = [list(range(n - ql, n)) for n, ql in zip(lengths, qlens)]
+
+    def reference_fn(window=0, softcap=0.0):
+        return _reference(q, cache, positions, window, softcap, sm_scale)
+
+    return out, reference_fn(window, softcap), reference_fn
 
 
-@pytest.mark.parametrize("kind,head_dim,gqa,page,chunk,small", _ci_cases(),
-                         ids=[f"{k}-d{d}-g{g}-p{p}-{c}{'-small' if s else ''}" for k, d, g, p, c, s in _ci_cases()])
-@pytest.mark.parametrize("scheme_name", _scheme_params())
-def test_prefill_ci(scheme_name, kind, head_dim, gqa, page, chunk, small):
-    scheme = _schemes()[scheme_name]
-    seq_lens = _lengths(kind, page, scheme)
-    run_case(scheme, head_dim, gqa, page, seq_lens, _qlens(seq_lens, chunk, page),
-             config=_small_tiles(page, gqa) if small else None, seed=zlib.crc32(f"{kind}{head_dim}{gqa}{page}".encode()) % 1000)
+def _reference(q, cache, positions, window, softcap, sm_scale):
+    # One KV head's query group at a time: the float64 logits stay small at real sizes.
+    G = q.shape[1] // cache.num_kv_heads
+    parts = []
+    for h in range(cache.num_kv_heads):
+        parts.append(hz.reference_attention(q[:, h * G:(h + 1) * G], [k[h:h + 1] for k in cache.ks],
+                                            [v[h:h + 1] for v in cache.vs], positions, window=window,
+                                            softcap=softcap, sm_scale=sm_scale))
+    return torch.cat(parts, dim=1)
 
 
-@pytest.mark.parametrize("window,softcap", [(7, 0.0), (0, 5.0), (20, 3.0)], ids=["window7", "softcap5", "window20-softcap3"])
-@pytest.mark.parametrize("scheme_name", _scheme_params())
-def test_prefill_window_softcap(scheme_name, window, softcap):
-    scheme = _schemes()[scheme_name]
-    page = 16
-    seq_lens = _lengths("ragged", page, scheme)
-    run_case(scheme, 64, 4, page, seq_lens, _qlens(seq_lens, "append", page), window=window, softcap=softcap,
-             config=_small_tiles(page, 4))
+def check(case: hz.Case, out: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
+    assert not torch.isnan(out).any(), f"{what}: NaN in the output (a row left unwritten or a poisoned slot leaked)"
+    err = hz.rel_l2(out, ref)
+    tol = hz.tolerance(case.scheme_obj, case.dtype)
+    assert err <= tol, f"{what}: rel L2 {err:.2e} > {tol:.1e}"
+
+
+def case_lengths(case: hz.Case) -> list[int]:
+    return hz.lengths_for(case.get("lengths"), case.scheme_obj, case.page_size)
+
+
+def _one_case(scheme: str, head_dim=64, gqa=4, page=16, dtype=None, num_kv_heads=2) -> hz.Case:
+    s = hz.get_scheme(scheme)
+    head_dim = hz.supported(s, "head_dim", (head_dim,))[0]
+    page = hz.supported(s, "page_size", (page,))[0]
+    dtype = dtype or hz.compute_dtypes()[-1]
+    return hz.Case(scheme=scheme, head_dim=head_dim, gqa=gqa, page_size=page, compute_dtype=hz.dtype_name(dtype),
+                   num_kv_heads=num_kv_heads)
+
+
+def _long_lengths(case: hz.Case) -> list[int]:
+    """A ragged batch whose longest sequence spans many tiles, past the residual window."""
+    P, w = case.page_size, hz.residual_window(case.scheme_obj)
+    return [w + 5 * P + 5, 3, w + 2 * P, w + 3 * P - 1]
+
+
+# --------------------------------------------------------------------------- the matrix
+
+
+@pytest.mark.parametrize("case", hz.kernel_specs({**AXES, "tiles": ("default", "small")}, rotations=2))
+def test_prefill_matrix(case):
+    lengths = case_lengths(case)
+    qlens = chunk_lens(lengths, case.get("chunk"), case.page_size)
+    config = small_tiles(case) if case.get("tiles") == "small" else None
+    out, ref, _ = run_prefill(case, lengths, qlens, config=config, seed=case.head_dim + case.gqa)
+    check(case, out, ref, f"lengths {lengths}, qlens {qlens}")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("kind", LENGTH_KINDS)
-@pytest.mark.parametrize("page", PAGES)
-@pytest.mark.parametrize("gqa", GQAS)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("scheme_name", _scheme_params(full=True))
-def test_prefill_full(scheme_name, head_dim, gqa, page, kind, chunk):
-    scheme = _schemes()[scheme_name]
-    seq_lens = _lengths(kind, page, scheme)
-    run_case(scheme, head_dim, gqa, page, seq_lens, _qlens(seq_lens, chunk, page), seed=head_dim + gqa + page)
+@pytest.mark.parametrize("case", hz.kernel_specs(AXES, full=True))
+def test_prefill_matrix_full(case):
+    lengths = case_lengths(case)
+    qlens = chunk_lens(lengths, case.get("chunk"), case.page_size)
+    out, ref, _ = run_prefill(case, lengths, qlens, seed=case.head_dim + case.gqa + case.page_size)
+    check(case, out, ref, f"lengths {lengths}, qlens {qlens}")
 
 
-# --------------------------------------------------------------------------
-# GPU: real size, bfloat16 (run with -m gpu and KVGEN_TEST_DEVICE=cuda)
-# --------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", hz.scheme_matrix())
+@pytest.mark.parametrize("block_m,ppt", [(8, 1), (16, 2), (32, 4)])
+def test_prefill_tiles(scheme, block_m, ppt):
+    """Many query blocks x KV tiles spanning several pages, ragged chunk lengths, one config each."""
+    case = _one_case(scheme, head_dim=96, gqa=2, page=16, dtype=torch.float32 if hz.on_cpu() else None,
+                     num_kv_heads=1)
+    lengths = _long_lengths(case)
+    qlens = [lengths[0], 0, 2 * case.page_size + 1, 5]
+    out, ref, _ = run_prefill(case, lengths, qlens, config={"block_m": block_m, "pages_per_tile": ppt}, seed=3)
+    check(case, out, ref, f"block_m {block_m}, {ppt} pages per tile")
 
-BF16_FLOOR = 1e-2   # bf16 output rounding alone is ~1e-3 rel L2; P and K/V in bf16 add a few more
+
+@pytest.mark.parametrize("scheme", hz.scheme_matrix())
+def test_prefill_append_matches_prefill(scheme):
+    """An appended chunk's rows equal the same rows of a whole-sequence prefill (same cache, same q)."""
+    case = _one_case(scheme, gqa=2, num_kv_heads=1)
+    lengths = _long_lengths(case)
+    hq = case.num_kv_heads * case.gqa
+    q_full = hz.random_q(sum(lengths), hq, case.head_dim, case.dtype, hz.device(), seed=22)
+    out_full, ref_full, _ = run_prefill(case, lengths, lengths, q=q_full, seed=21)
+    check(case, out_full, ref_full, "whole prefill")
+    # the same query rows, appended: the last tail[b] rows of each sequence
+    tail = [7, 2, 1, case.page_size + 1]
+    ends = list(itertools.accumulate(lengths))
+    rows = torch.cat([torch.arange(e - t, e) for e, t in zip(ends, tail)])
+    out, ref, _ = run_prefill(case, lengths, tail, q=q_full[rows.to(q_full.device)].contiguous(), seed=21,
+                              config=small_tiles(case))
+    check(case, out, ref, "append")
+    assert torch.allclose(ref, ref_full[rows], rtol=1e-12, atol=1e-12)
+    assert hz.rel_l2(out, out_full[rows.to(out_full.device)]) <= hz.tolerance(case.scheme_obj, case.dtype)
+
+
+@pytest.mark.parametrize("scheme", hz.scheme_matrix())
+@pytest.mark.parametrize("tiles", ["default", "small"])
+def test_prefill_sliding_window(scheme, tiles):
+    case = _one_case(scheme, gqa=4, num_kv_heads=1)
+    window = 2 * case.page_size + 5
+    lengths = _long_lengths(case) + [window - 1, window + 1]
+    qlens = [lengths[0], 1, 9, lengths[3], window - 1, 3]
+    cfg = small_tiles(case) if tiles == "small" else None
+    out, ref, reference = run_prefill(case, lengths, qlens, window=window, config=cfg, seed=5)
+    check(case, out, ref, f"window {window}")
+    # the window must matter: full attention gives a different answer
+    full_ref = reference(window=0)
+    assert hz.rel_l2(full_ref, ref) > 10 * hz.tolerance(case.scheme_obj, case.dtype)
+
+
+@pytest.mark.parametrize("scheme", hz.scheme_matrix())
+@pytest.mark.parametrize("window", [0, 7])
+def test_prefill_softcap(scheme, window):
+    case = _one_case(scheme, gqa=4, num_kv_heads=1)
+    softcap = 2.0
+    lengths = _long_lengths(case)
+    qlens = chunk_lens(lengths, "append", case.page_size)
+    cfg = small_tiles(case)
+    # large logits so the cap bites
+    out, ref, reference = run_prefill(case, lengths, qlens, softcap=softcap, window=window, q_scale=6.0, config=cfg,
+                                      seed=7)
+    check(case, out, ref, f"softcap {softcap}, window {window}")
+    uncapped = reference(window=window)
+    assert hz.rel_l2(uncapped, ref) > 10 * hz.tolerance(case.scheme_obj, case.dtype)
+
+
+@pytest.mark.parametrize("scheme", hz.scheme_matrix())
+def test_prefill_empty_rows_and_batch(scheme):
+    """qlen 0 sequences write nothing; max_q_len 0 or an empty batch launch nothing."""
+    case = _one_case(scheme, gqa=4)
+    lengths = [case.page_size + 1, 3, case.page_size]
+    out, ref, _ = run_prefill(case, lengths, [0, 3, 0], seed=11)
+    check(case, out, ref, "only the middle sequence has queries")
+    dev = hz.device()
+    cache = hz.make_cache(case.scheme_obj, case.head_dim, case.num_kv_heads, case.page_size, lengths, case.dtype,
+                          device=dev, seed=11)
+    mod = hz.load_op("prefill", scheme, case.head_dim, case.num_kv_heads, case.gqa, case.page_size, case.dtype)
+    q = torch.empty(0, case.num_kv_heads * case.gqa, case.head_dim, dtype=case.dtype, device=dev)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=dev)
+    assert mod.launch(q, q, cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, cu, 0, 0.1) is q
+
+
+@pytest.mark.parametrize("scheme", hz.scheme_matrix())
+def test_prefill_default_config_and_candidates(scheme):
+    case = _one_case(scheme, gqa=8)
+    mod = hz.load_op("prefill", scheme, case.head_dim, case.num_kv_heads, case.gqa, case.page_size, case.dtype)
+    keys = {"block_m", "pages_per_tile", "num_warps", "num_stages"}
+    for dev in ("cpu", "cuda"):
+        for max_q in (1, 5, 300, 4096):
+            cfg = mod.default_config(4, max_q, 4096, dev)
+            assert keys <= set(cfg)
+            assert cfg["block_m"] * mod.GQA_PAD >= 16 and cfg["pages_per_tile"] * case.page_size >= 16
+    # a one-token append does not pad a tall tile: 16 rows (2 tokens x 8 heads) suffice
+    assert mod.default_config(4, 1, 4096, "cuda")["block_m"] == 2
+    assert mod.default_config(1, 4096, 4096, "cuda")["block_m"] * mod.GQA_PAD == 128
+    cands = mod.candidates(4, 4096, 4096)
+    assert cands and len({tuple(sorted(c.items())) for c in cands}) == len(cands)
+    assert all(keys <= set(c) and c["block_m"] * mod.GQA_PAD >= 16 and c["pages_per_tile"] * case.page_size >= 16
+               for c in cands)
+    lengths = _long_lengths(case)
+    qlens = chunk_lens(lengths, "append", case.page_size)
+    for c in (cands[0], cands[-1]):
+        out, ref, _ = run_prefill(case, lengths, qlens, config=c, seed=13)
+        check(case, out, ref, f"candidate {c}")
+
+
+def test_prefill_rejects_bad_inputs():
+    case = _one_case("fp32")
+    mod = hz.load_op("prefill", "fp32", case.head_dim, case.num_kv_heads, case.gqa, case.page_size, case.dtype)
+    cache = hz.make_cache("fp32", case.head_dim, case.num_kv_heads, case.page_size, [5], case.dtype)
+    q = hz.random_q(5, case.num_kv_heads * case.gqa, case.head_dim, case.dtype, hz.device())
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    args = (cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed)
+    with pytest.raises(TypeError):
+        mod.launch(q, torch.empty_like(q), cache.pools, cache.block_tables.long(), cache.seq_lens,
+                   cache.num_compressed, cu, 5, 0.1)
+    with pytest.raises(TypeError):
+        mod.launch(q, torch.empty_like(q), *args, cu.long(), 5, 0.1)
+    with pytest.raises(ValueError):
+        mod.launch(q[:, :1], torch.empty_like(q[:, :1]), *args, cu, 5, 0.1)
+    with pytest.raises(ValueError):
+        mod.launch(q, torch.empty_like(q), *args, torch.tensor([0, 2, 5], dtype=torch.int32), 5, 0.1)
+    with pytest.raises(ValueError):
+        mod.launch(q, torch.empty_like(q), *args, cu, 5, 0.1, config={"block_m": 12})
+    with pytest.raises(KeyError):
+        mod.launch(q, torch.empty_like(q), {}, *args[1:], cu, 5, 0.1)
+
+
+# --------------------------------------------------------------------------- GPU (real sizes, bfloat16)
+
+
+def _gpu_case(scheme: str) -> hz.Case:
+    s = hz.get_scheme(scheme)
+    d = hz.supported(s, "head_dim", (128,))[0]
+    p = hz.supported(s, "page_size", (16,))[0]
+    return hz.Case(scheme=scheme, head_dim=d, gqa=8, page_size=p, compute_dtype="bfloat16", num_kv_heads=8)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scheme", hz.scheme_matrix("cuda"))
 @pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("scheme_name", _scheme_params())
-def test_prefill_gpu_bf16(scheme_name, chunk):
-    if DEVICE == "cpu" or not torch.cuda.is_available():
-        pytest.skip("needs KVGEN_TEST_DEVICE=cuda and a CUDA device")
-    scheme = _schemes()[scheme_name]
-    major, minor = torch.cuda.get_device_capability()
-    if scheme.min_arch > major * 10 + minor:
-        pytest.skip(f"{scheme_name} needs sm_{scheme.min_arch}")
-    seq_lens = [4096]
-    qlens = [4096] if chunk == "prefill" else [256]
-    run_case(scheme, 128, 8, 16, seq_lens, qlens, compute_dtype=torch.bfloat16, num_kv_heads=8,
-             tolerance=max(scheme.tolerance, BF16_FLOOR))
+def test_prefill_gpu_real_size(scheme, chunk):
+    """64/8 heads, D=128, bf16, 4096-token sequences: a whole prefill, and appends after a prefix hit."""
+    hz.require_cuda()
+    case = _gpu_case(scheme)
+    lengths = [4096] if chunk == "prefill" else [4096, 4096 - 17, 1000]
+    qlens = [4096] if chunk == "prefill" else [512, 17, 1]
+    out, ref, _ = run_prefill(case, lengths, qlens, dev="cuda")
+    check(case, out, ref, "default config")
+    mod = hz.load_op("prefill", scheme, case.head_dim, 8, 8, case.page_size, case.dtype, dev="cuda")
+    cands = mod.candidates(len(lengths), max(qlens), 4096)
+    for c in cands[:: max(1, len(cands) // 4)]:
+        out, ref, _ = run_prefill(case, lengths, qlens, config=c, dev="cuda")
+        check(case, out, ref, f"candidate {c}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", hz.scheme_matrix("cuda"))
+def test_prefill_gpu_no_host_sync(scheme):
+    hz.require_cuda()
+    case = _gpu_case(scheme)
+    lengths = [4096, 100, 3000]
+    qlens = [1024, 0, 7]
+    cache = hz.make_cache(scheme, case.head_dim, 8, case.page_size, lengths, case.dtype, device="cuda")
+    mod = hz.load_op("prefill", scheme, case.head_dim, 8, 8, case.page_size, case.dtype, dev="cuda")
+    q = hz.random_q(sum(qlens), 64, case.head_dim, case.dtype, "cuda")
+    out = torch.empty_like(q)
+    cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device="cuda")
+    args = (q, out, cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, cu, max(qlens),
+            case.head_dim ** -0.5)
+    mod.launch(*args)  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mod.launch(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
