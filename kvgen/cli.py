@@ -182,6 +182,9 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None] | None,
     "targets": ("list GPU targets", None, cmd_targets),
     "schemes": ("list KV compression schemes", None, cmd_schemes),
     "plugins": ("list plugins and what each registered", None, cmd_plugins),
+    "eval": ("perplexity, KL and top-1 of KV schemes on a real model and text, vs a float32 cache",
+             __import__("kvgen.eval.command", fromlist=["add_args"]).add_args,
+             __import__("kvgen.eval.command", fromlist=["run"]).run),
 }
 
 

@@ -201,6 +201,7 @@ class Int4(KiviScheme):
     name = "int4"
     bits = 4
     residual_tokens = 0
+    expected_error = 0.10  # measured: attention rel. L2 vs fp32, random normal data, D=128, page 16
     page_sizes = (8, 16, 32, 64, 128)
     summary = "KIVI 4-bit: keys per channel over each page, values per token in groups of 32; partial tail page in fp"
 
@@ -209,6 +210,7 @@ class Int2(KiviScheme):
     name = "int2"
     bits = 2
     residual_tokens = 128
+    expected_error = 0.54  # measured as for int4
     page_sizes = (16, 32, 64, 128)
     summary = "KIVI 2-bit: keys per channel over each page, values per token in groups of 32; last 128 tokens in fp"
 
