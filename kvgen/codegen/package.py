@@ -46,8 +46,11 @@ def kernel_specs(plan: Plan, registry: Registry | None = None) -> dict[str, Kern
     if scheme.residual_tokens is not None:
         ops.append("page_quantize")
     params = tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in plan.scheme_params.items()))
+    # The kernels see one rank's heads: with KV heads replicated (tp > KV heads)
+    # a rank's query heads per KV head is smaller than the model's GQA group.
+    local_group = plan.q_heads_per_gpu // plan.kv_heads_per_gpu
     return {op: KernelSpec(op=op, scheme=plan.scheme, head_dim=plan.head_dim, num_kv_heads=plan.kv_heads_per_gpu,
-                           gqa_group=plan.gqa_group, page_size=plan.page_size, compute_dtype=plan.compute_dtype,
+                           gqa_group=local_group, page_size=plan.page_size, compute_dtype=plan.compute_dtype,
                            arch=plan.arch, sliding_window=plan.sliding_window, scheme_params=params)
             for op in ops}
 
