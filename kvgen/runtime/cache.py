@@ -1,0 +1,473 @@
+"""KVCache: the paged KV cache of one plan, its page pools, and the attention ops over it.
+
+Usage, once per model step (FlashInfer-style plan/run split)::
+
+    cache = load(PLAN, KERNELS, device="cuda")
+    cache.add("a", prompt_ids)                  # -> tokens already cached (prefix hit)
+    step = cache.plan_step(["a"], [len(prompt_ids)], token_ids=[prompt_ids])
+    for layer in range(num_layers):             # no host sync in here
+        out = cache.prefill(layer, q, k, v, ["a"])      # q [total, Hq, D], k/v [total, Hkv, D]
+    cache.plan_step(["a"], [1])
+    for layer in range(num_layers):
+        cache.append_kv(layer, ["a"], k, v)     # k/v [B, Hkv, D]
+        out = cache.decode(layer, q, ["a"])     # q [B, Hq, D]
+
+``plan_step`` does all host work: it reserves slots in the block manager (all
+sequences or none: :class:`OutOfPages` leaves everything unchanged), and
+uploads block tables, lengths, slot mapping, copy-on-write copies and page
+conversions once. Per layer, ``append_kv`` runs the copies (page_copy),
+then the cache write, then the conversions (page_quantize: a residual page
+that filled is quantized into its compressed page), all from that
+metadata (a long append to a residual scheme may take a few such phases,
+see ``step.reserve_step``); ``decode``/``prefill`` then read the cache. Run every layer of a
+step before planning the next one: the next plan may reuse pages the
+current step's conversions still have to read.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Hashable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .autotune import Autotuner
+from .block_manager import COMPRESSED, RESIDUAL, BlockManager
+from .env import triton_interpret
+from .errors import KvgenRuntimeError
+from .pools import allocate_pool, pool_bytes
+from .step import DeviceBuffers, StepMetadata, build_step, reserve_step
+
+REQUIRED_OPS = ("decode", "prefill", "cache_write", "page_copy")
+MIN_RESIDUAL_SEQS = 4
+"""With ``max_tokens``, the residual pool keeps room for at least this many sequences."""
+
+
+def default_device() -> torch.device:
+    """The current CUDA device when there is one (and kernels are not interpreted), else the CPU."""
+    if torch.cuda.is_available() and not triton_interpret():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def pool_sizes(plan: Mapping[str, Any], max_tokens: int | None = None,
+               max_seqs: int | None = None) -> tuple[int, int]:
+    """(compressed pages, residual pages) to allocate.
+
+    Without ``max_tokens``: the planner's ``num_pages`` and
+    ``num_residual_pages``. With it: about ``max_tokens`` tokens of pages
+    (at most the plan's capacity), split in the planner's compressed :
+    residual proportion, the residual pool holding at least a tail for
+    ``max_seqs`` (default 4) sequences.
+    """
+    n_c, n_r = int(plan["num_pages"]), int(plan["num_residual_pages"])
+    residual_tokens = (plan.get("scheme_params") or {}).get("residual_tokens")
+    if max_tokens is None:
+        return n_c, (n_r if residual_tokens is not None else 0)
+    if not isinstance(max_tokens, int) or max_tokens <= 0:
+        raise KvgenRuntimeError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    P = int(plan["page_size"])
+    total = -(-max_tokens // P)
+    if residual_tokens is None:
+        return max(1, min(total, n_c) if n_c else total), 0
+    per_seq = int(residual_tokens) // P + 1
+    seqs = MIN_RESIDUAL_SEQS if max_seqs is None else max(1, int(max_seqs))
+    frac = n_r / (n_c + n_r) if n_c + n_r else 0.0
+    r = max(math.ceil(total * frac), seqs * per_seq)
+    c = max(total - r, 1)
+    if n_c:
+        c = min(c, n_c)
+    return c, r
+
+
+class PagePool:
+    """Page storage of every layer: the scheme's compressed tensors, plus ``rk``/``rv`` for residual schemes.
+
+    ``layers[i]`` is layer i's dict ``{name: tensor}``: the plan's
+    ``page_tensors`` as ``[num_pages, H, *shape]`` and, when the scheme keeps
+    a residual, ``rk``/``rv`` as ``[num_residual_pages, H, page, D]`` in the
+    compute dtype (see :func:`.pools.allocate_pool`). This dict is what the
+    kernels take as ``pools``.
+    """
+
+    def __init__(self, page_tensors: Sequence[Mapping[str, Any]], *, num_layers: int, num_pages: int,
+                 num_residual_pages: int, num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, residual: bool, zero: bool = False) -> None:
+        self.compressed_names = tuple(t["name"] for t in page_tensors)
+        self.num_pages, self.num_residual_pages = num_pages, num_residual_pages if residual else 0
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for _ in range(num_layers):
+            pool = allocate_pool(page_tensors, num_pages, num_kv_heads, dtype, device, zero=zero)
+            if residual:
+                shape = [page_size, head_dim]
+                pool.update(allocate_pool([{"name": "rk", "dtype": "compute", "shape": shape},
+                                           {"name": "rv", "dtype": "compute", "shape": shape}],
+                                          num_residual_pages, num_kv_heads, dtype, device, zero=zero))
+            self.layers.append(pool)
+
+    def tensors(self, layer: int, pool: str) -> list[torch.Tensor]:
+        """One pool's tensors of one layer, in kernel order (what page_copy takes)."""
+        p = self.layers[layer]
+        if pool == COMPRESSED:
+            return [p[n] for n in self.compressed_names]
+        if pool == RESIDUAL and "rk" in p:
+            return [p["rk"], p["rv"]]
+        raise KvgenRuntimeError(f"unknown pool {pool!r}; use {COMPRESSED!r} or {RESIDUAL!r}")
+
+    def nbytes(self, pool: str | None = None) -> int:
+        """Bytes over all layers (``pool``: only ``"compressed"`` or ``"residual"``)."""
+        total = 0
+        for p in self.layers:
+            if pool in (None, COMPRESSED):
+                total += pool_bytes({n: p[n] for n in self.compressed_names})
+            if pool in (None, RESIDUAL) and "rk" in p:
+                total += pool_bytes({"rk": p["rk"], "rv": p["rv"]})
+        return total
+
+
+class KVCache:
+    """The runtime of one generated plan: page pools, block manager, kernels, step metadata.
+
+    Construct through :func:`load` (or a generated package's ``load()``).
+    Attributes: ``plan`` (plan.json as a dict), ``kernels`` (op -> module),
+    ``device``, ``dtype`` (compute dtype), ``num_layers``, ``page_size``,
+    ``num_kv_heads``/``num_q_heads`` (this rank's), ``head_dim``,
+    ``num_pages``/``num_residual_pages``, ``block_manager``, ``page_pool``
+    (:class:`PagePool`) and ``pools`` (its per-layer dicts, as kernels take them),
+    ``step`` (the current :class:`StepMetadata`), ``autotuner``.
+
+    Sequence ids are any hashable values. Errors a caller can cause are
+    :class:`KvgenRuntimeError` subclasses (``OutOfPages``, ``UnknownSequence``).
+    """
+
+    def __init__(self, plan: Mapping[str, Any], kernels: Mapping[str, ModuleType], *,
+                 device: torch.device | str | None = None, max_tokens: int | None = None,
+                 num_layers: int | None = None, dtype: torch.dtype | str | None = None,
+                 tp_rank: int = 0, tp_size: int = 1, autotune: bool = True,
+                 autotuner: Autotuner | None = None, max_seqs: int | None = None,
+                 zero: bool = False) -> None:
+        self.plan = dict(plan)
+        missing = [op for op in REQUIRED_OPS if op not in kernels]
+        self.residual_tokens = (self.plan.get("scheme_params") or {}).get("residual_tokens")
+        if self.residual_tokens is not None and "page_quantize" not in kernels:
+            missing.append("page_quantize")
+        if missing:
+            raise KvgenRuntimeError(f"kernels lack the ops {missing}; recompile the plan (kvgen compile)")
+        self.kernels = dict(kernels)
+        self.device = torch.device(device) if device is not None else default_device()
+        self.dtype = getattr(torch, self.plan["compute_dtype"])
+        if dtype is not None:
+            want = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+            if want != self.dtype:
+                raise KvgenRuntimeError(
+                    f"the plan's kernels are compiled for {self.plan['compute_dtype']}, not {want}; "
+                    f"plan and compile with --dtype matching the model")
+        plan_tp = int(self.plan.get("tp", 1))
+        if tp_size != plan_tp:
+            raise KvgenRuntimeError(f"the plan is for tp {plan_tp}, got tp_size {tp_size}; plan with --tp {tp_size}")
+        if not 0 <= tp_rank < tp_size:
+            raise KvgenRuntimeError(f"tp_rank must be in 0..{tp_size - 1}, got {tp_rank}")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        total_layers = int(self.plan["num_layers"])
+        self.num_layers = total_layers if num_layers is None else int(num_layers)
+        if not 1 <= self.num_layers <= total_layers:
+            raise KvgenRuntimeError(f"num_layers must be in 1..{total_layers}, got {num_layers}")
+        self.page_size = int(self.plan["page_size"])
+        self.num_kv_heads = int(self.plan["kv_heads_per_gpu"])
+        self.num_q_heads = int(self.plan["q_heads_per_gpu"])
+        self.head_dim = int(self.plan["head_dim"])
+        self.gqa_group = int(self.plan["gqa_group"])
+        self.scheme = self.plan["scheme"]
+        self.sm_scale = self.head_dim ** -0.5
+        self.num_pages, self.num_residual_pages = pool_sizes(self.plan, max_tokens, max_seqs)
+        self.compressed_names = tuple(t["name"] for t in self.plan["page_tensors"])
+
+        self.page_pool = PagePool(self.plan["page_tensors"], num_layers=self.num_layers, num_pages=self.num_pages,
+                                  num_residual_pages=self.num_residual_pages, num_kv_heads=self.num_kv_heads,
+                                  page_size=self.page_size, head_dim=self.head_dim, dtype=self.dtype,
+                                  device=self.device, residual=self.residual_tokens is not None, zero=zero)
+        self.pools = self.page_pool.layers
+        self.block_manager = BlockManager(self.page_size, self.num_pages, self.num_residual_pages,
+                                          self.residual_tokens, scheme_name=self.scheme)
+        self.autotuner = autotuner or Autotuner(self.device, enabled=autotune)
+        self._hashes = {op: (self.plan.get("kernels") or {}).get(op, {}).get("hash") for op in self.kernels}
+        self._buffers = DeviceBuffers(self.device)
+        self._steps = 0
+        self.step: StepMetadata | None = None
+
+    # -- sizes ------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the allocated pages hold (compressed plus residual pool)."""
+        return (self.num_pages + self.num_residual_pages) * self.page_size
+
+    def allocated_bytes(self, pool: str | None = None) -> int:
+        """Bytes of page storage over all layers (``pool``: ``"compressed"``/``"residual"`` only)."""
+        return self.page_pool.nbytes(pool)
+
+    def kv_head_range(self) -> range:
+        """The model's KV heads this tensor-parallel rank holds."""
+        rep = int(self.plan.get("kv_replication", 1)) or 1
+        start = (self.tp_rank // rep) * self.num_kv_heads
+        return range(start, start + self.num_kv_heads)
+
+    def q_head_range(self) -> range:
+        """The model's query heads this tensor-parallel rank computes."""
+        start = self.tp_rank * self.num_q_heads
+        return range(start, start + self.num_q_heads)
+
+    # -- sequences ----------------------------------------------------------
+    def add(self, seq_id: Hashable, token_ids: Sequence[int] = ()) -> int:
+        """Start a sequence; returns how many leading ``token_ids`` are already cached (a prefix hit).
+
+        The caller then appends only the remaining tokens (``plan_step`` with
+        their ids, so they can be cached in turn). To get logits for the last
+        prompt token, pass ``prompt[:-1]`` here.
+        """
+        return self.block_manager.add_sequence(seq_id, token_ids)
+
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """``child`` shares every page of ``parent``; the first write into a shared page copies it."""
+        self.block_manager.fork(parent, child)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Drop the sequence; its pages return to the pool (or the prefix cache)."""
+        self.block_manager.free(seq_id)
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        return self.block_manager.seq_len(seq_id)
+
+    def sequences(self) -> list[Hashable]:
+        return self.block_manager.sequences()
+
+    # -- planning -------------------------------------------------------------
+    def plan_step(self, seq_ids: Sequence[Hashable], num_new_tokens_per_seq: Sequence[int] | int,
+                  token_ids: Sequence[Sequence[int] | None] | None = None) -> StepMetadata:
+        """Reserve the step's slots and upload its metadata; call once per model step.
+
+        ``num_new_tokens_per_seq``: tokens each sequence adds this step (an int
+        means the same for all; 0 is allowed). ``token_ids``: per sequence,
+        the ids of those tokens (or None) so full pages enter the prefix
+        cache. Raises OutOfPages with nothing changed.
+        """
+        seq_ids = tuple(seq_ids)
+        try:
+            if isinstance(num_new_tokens_per_seq, Sequence):
+                num_new = tuple(operator.index(n) for n in num_new_tokens_per_seq)
+            else:
+                num_new = (operator.index(num_new_tokens_per_seq),) * len(seq_ids)
+        except TypeError:
+            raise KvgenRuntimeError(
+                f"plan_step token counts must be ints, got {num_new_tokens_per_seq!r}") from None
+        if not seq_ids:
+            raise KvgenRuntimeError("plan_step needs at least one sequence id")
+        reservation = reserve_step(self.block_manager, seq_ids, num_new, token_ids)
+        self._steps += 1
+        step = build_step(self._steps, self.block_manager, self._buffers, seq_ids, num_new, reservation)
+        step.configs = self._configs(step)
+        self.step = step
+        return step
+
+    def _configs(self, step: StepMetadata) -> dict[str, Any]:
+        # Host-only lookups (tuning, the first time a bucket is seen on a GPU); a
+        # decode step gets the decode config, any other step the prefill one.
+        configs: dict[str, Any] = {}
+        if step.is_decode:
+            configs["decode"] = self._config("decode", (step.batch, step.max_seq_len))
+        else:
+            configs["prefill"] = self._config("prefill", (step.batch, max(1, step.max_q_len), step.max_seq_len))
+        return configs
+
+    def _config(self, op: str, shape: tuple[int, ...]) -> dict[str, Any] | None:
+        return self.autotuner.config(op, self.kernels[op], shape, lambda cfg: self._bench(op, shape, cfg),
+                                     self._hashes.get(op))
+
+    def _bench(self, op: str, shape: tuple[int, ...], config: dict[str, Any]):
+        """A closure running ``op`` once with ``config`` on synthetic inputs of the bucket's shape (reads only)."""
+        from .autotune import bucket
+        B = bucket(shape[0])
+        S = bucket(shape[-1])
+        P = self.page_size
+        pages = -(-S // P)
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        nc = pages if self.residual_tokens is None else max(0, S // P - self.residual_tokens // P)
+        comp = torch.randint(0, max(1, self.num_pages), (B, pages), generator=gen, dtype=torch.int32)
+        if self.residual_tokens is not None and pages > nc:
+            res = torch.randint(0, max(1, self.num_residual_pages), (B, pages), generator=gen, dtype=torch.int32)
+            cols = torch.arange(pages)[None, :] >= nc
+            comp = torch.where(cols, res, comp)
+        bt = comp.to(self.device)
+        seq_lens = torch.full((B,), S, dtype=torch.int32, device=self.device)
+        ncomp = torch.full((B,), nc, dtype=torch.int32, device=self.device)
+        pools = self.pools[0]
+        if op == "decode":
+            q = torch.randn(B, self.num_q_heads, self.head_dim, generator=gen).to(self.device, self.dtype)
+            out = torch.empty_like(q)
+            mod = self.kernels["decode"]
+            return lambda: mod.launch(q, out, pools, bt, seq_lens, ncomp, self.sm_scale, config=config)
+        Q = min(bucket(shape[1]), S)
+        q = torch.randn(B * Q, self.num_q_heads, self.head_dim, generator=gen).to(self.device, self.dtype)
+        out = torch.empty_like(q)
+        cu = torch.arange(0, B + 1, dtype=torch.int32, device=self.device) * Q
+        mod = self.kernels["prefill"]
+        return lambda: mod.launch(q, out, pools, bt, seq_lens, ncomp, cu, Q, self.sm_scale, config=config)
+
+    # -- per-layer ops (no host synchronization) -----------------------------------
+    def _current(self, seq_ids: Sequence[Hashable] | None) -> StepMetadata:
+        step = self.step
+        if step is None:
+            raise KvgenRuntimeError("no step is planned; call plan_step(seq_ids, num_new_tokens) first")
+        if seq_ids is not None and seq_ids is not step.seq_ids and tuple(seq_ids) != step.seq_ids:
+            raise KvgenRuntimeError(
+                f"the sequences {list(seq_ids)[:8]} are not the planned step's {list(step.seq_ids)[:8]}; "
+                f"call plan_step for this batch first")
+        return step
+
+    def _layer(self, layer: int) -> dict[str, torch.Tensor]:
+        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise KvgenRuntimeError(f"layer must be in 0..{self.num_layers - 1}, got {layer!r}")
+        return self.pools[layer]
+
+    def _as_input(self, name: str, x: torch.Tensor, rows: int, heads: int) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[0] != rows or x.shape[1] != heads or x.shape[2] != self.head_dim:
+            raise KvgenRuntimeError(
+                f"{name} must be [{rows}, {heads}, {self.head_dim}] for this step, got {list(x.shape)}")
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        if x.device != self.device:
+            x = x.to(self.device)
+        return x.contiguous()
+
+    def pool_tensors(self, layer: int, pool: str) -> list[torch.Tensor]:
+        """The tensors of one pool of one layer, in kernel order (for page_copy)."""
+        self._layer(layer)
+        return self.page_pool.tensors(layer, pool)
+
+    def append_kv(self, layer: int, seq_ids: Sequence[Hashable] | None, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's new K/V of one layer: copies, then the write, then page conversions.
+
+        ``k``, ``v``: ``[total_new_tokens, H_kv, D]``, sequences in step order,
+        each sequence's tokens in order.
+        """
+        step = self._current(seq_ids)
+        pools = self._layer(layer)
+        if layer in step.written:
+            raise KvgenRuntimeError(f"layer {layer} was already written this step; plan a new step first")
+        k = self._as_input("k", k, step.total_tokens, self.num_kv_heads)
+        v = self._as_input("v", v, step.total_tokens, self.num_kv_heads)
+        single = len(step.phases) == 1
+        for ph in step.phases:
+            for pool, src, dst in ph.copies:
+                self.kernels["page_copy"].launch(self.pool_tensors(layer, pool), src, dst)
+            if ph.end > ph.start:
+                if single:
+                    self.kernels["cache_write"].launch(k, v, pools, ph.slot_mapping)
+                else:
+                    self.kernels["cache_write"].launch(k[ph.start:ph.end], v[ph.start:ph.end], pools,
+                                                       ph.slot_mapping)
+            if ph.conversions is not None:
+                self.kernels["page_quantize"].launch(pools, ph.conversions[0], ph.conversions[1])
+        step.written.add(layer)
+
+    def _check_written(self, step: StepMetadata, layer: int) -> None:
+        if step.total_tokens and layer not in step.written:
+            raise KvgenRuntimeError(
+                f"layer {layer}: this step's K/V are not written yet; call append_kv (or pass k, v) first")
+
+    def decode(self, layer: int, q: torch.Tensor, seq_ids: Sequence[Hashable] | None = None,
+               k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
+               out: torch.Tensor | None = None, sm_scale: float | None = None) -> torch.Tensor:
+        """Attention of each sequence's newest token over its cache: ``q [B, Hq, D]`` -> ``[B, Hq, D]``.
+
+        The step must add exactly one token per sequence; pass ``k``, ``v``
+        (``[B, H_kv, D]``) to write them first, or call :meth:`append_kv`.
+        """
+        step = self._current(seq_ids)
+        pools = self._layer(layer)
+        if not step.is_decode:
+            raise KvgenRuntimeError("decode needs a step adding one token per sequence; use prefill for this step")
+        if k is not None or v is not None:
+            self.append_kv(layer, None, k, v)
+        self._check_written(step, layer)
+        q = self._as_input("q", q, step.batch, self.num_q_heads)
+        if out is None:
+            out = torch.empty_like(q)
+        self.kernels["decode"].launch(q, out, pools, step.block_tables, step.seq_lens, step.num_compressed,
+                                      self.sm_scale if sm_scale is None else sm_scale,
+                                      config=step.configs.get("decode"))
+        return out
+
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                seq_ids: Sequence[Hashable] | None = None, *, out: torch.Tensor | None = None,
+                sm_scale: float | None = None) -> torch.Tensor:
+        """Write the step's K/V (when given), then causal attention of its new tokens over the cache.
+
+        ``q`` ``[total_new_tokens, Hq, D]``; sequence ``b``'s rows are its
+        ``num_new[b]`` tokens of this step (the last ones of the sequence).
+        Works for any step, decode steps included.
+        """
+        step = self._current(seq_ids)
+        pools = self._layer(layer)
+        if k is not None or v is not None:
+            self.append_kv(layer, None, k, v)
+        self._check_written(step, layer)
+        q = self._as_input("q", q, step.total_tokens, self.num_q_heads)
+        if out is None:
+            out = torch.empty_like(q)
+        if "prefill" not in step.configs:  # a decode step run through prefill
+            step.configs["prefill"] = self._config("prefill", (step.batch, max(1, step.max_q_len), step.max_seq_len))
+        self.kernels["prefill"].launch(q, out, pools, step.block_tables, step.seq_lens, step.num_compressed,
+                                       step.cu_seqlens_q, max(1, step.max_q_len),
+                                       self.sm_scale if sm_scale is None else sm_scale,
+                                       config=step.configs.get("prefill"))
+        return out
+
+    # -- inspection (host syncs; for tests and debugging) ---------------------------
+    def read_kv(self, layer: int, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached K and V of one sequence as float32 ``[H, seq_len, D]`` (dequantized)."""
+        pools = self._layer(layer)
+        bm = self.block_manager
+        n, table, nc = bm.seq_len(seq_id), bm.block_table(seq_id), bm.num_compressed(seq_id)
+        P, H, D = self.page_size, self.num_kv_heads, self.head_dim
+        ks, vs = [], []
+        if nc:
+            if "dequant" not in self.kernels:
+                raise KvgenRuntimeError("the kernels lack the dequant op; recompile the plan")
+            pages = torch.tensor(table[:nc], dtype=torch.int32, device=self.device)
+            k_out = torch.empty(nc, H, P, D, dtype=self.dtype, device=self.device)
+            v_out = torch.empty_like(k_out)
+            self.kernels["dequant"].launch(pools, pages, k_out, v_out)
+            ks.append(k_out)
+            vs.append(v_out)
+        if len(table) > nc:
+            idx = torch.tensor(table[nc:], dtype=torch.long, device=self.device)
+            ks.append(pools["rk"].index_select(0, idx))
+            vs.append(pools["rv"].index_select(0, idx))
+        if not ks:
+            empty = torch.empty(H, 0, D, dtype=torch.float32, device=self.device)
+            return empty, empty.clone()
+        k = torch.cat(ks).permute(1, 0, 2, 3).reshape(H, -1, D)[:, :n]
+        v = torch.cat(vs).permute(1, 0, 2, 3).reshape(H, -1, D)[:, :n]
+        return k.float(), v.float()
+
+
+def load(plan: Mapping[str, Any], kernels: Mapping[str, ModuleType], device: torch.device | str | None = None,
+         max_tokens: int | None = None, num_layers: int | None = None, dtype: torch.dtype | str | None = None,
+         tp_rank: int = 0, tp_size: int = 1, autotune: bool = True, **kwargs: Any) -> KVCache:
+    """A :class:`KVCache` for ``plan`` (plan.json as a dict) with ``kernels`` (op -> generated module).
+
+    ``device``: default the current CUDA device, else the CPU. ``max_tokens``:
+    allocate about that many tokens of pages instead of the planner's whole
+    budget (the compressed : residual proportion kept, the residual pool
+    holding at least a few sequences' tails; ``max_seqs=`` sets how many).
+    ``num_layers``: allocate only the first layers (tests). ``dtype``: must
+    match the plan's compute dtype (a check). ``tp_rank``/``tp_size``: this
+    process's tensor-parallel shard (``tp_size`` must equal the plan's tp).
+    ``autotune``: tune kernel configs on first use of each shape bucket (GPU
+    only; results persist under the cache directory).
+    """
+    return KVCache(plan, kernels, device=device, max_tokens=max_tokens, num_layers=num_layers, dtype=dtype,
+                   tp_rank=tp_rank, tp_size=tp_size, autotune=autotune, **kwargs)
