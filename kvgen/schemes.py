@@ -55,6 +55,22 @@ page) and ``mask_t`` (bool ``[BLOCK_N]``, False past the sequence end).
   page (``k``, ``v`` float32 ``[PAGE, BLOCK_D]``, ``base`` a scalar,
   ``offs_t = tl.arange(0, PAGE)``). Only for schemes with a residual.
 
+Page-aligned tiles (optional fast path; backward compatible): a caller
+whose tiles are whole pages -- every tile starts at a page boundary, token i
+of the tile is slot ``i % PAGE`` of the tile's page ``i // PAGE``, and
+``BLOCK_N = PAGES * PAGE`` -- imports the macro template *with context* and
+defines the Jinja variable ``page_tile``, a dict of names: ``pages`` (a
+constexpr, the pages per tile), ``pbase`` (int64 ``[pages]``, the element
+index ``page * H + kv_head`` of each tile page, so ``base`` is ``pbase``
+with every entry repeated PAGE times) and ``pmask`` (bool ``[pages]``, False
+for pages past the range being read; a masked page's tokens are all masked).
+``mask_t`` keeps its meaning (a token of a True page may still be masked).
+The decode template guarantees this; prefill does not (it imports without
+context). Macros may test ``page_tile is defined`` and then load per-page
+metadata once per page as ``[pages, ...]`` and broadcast it over the page's
+tokens through a ``[pages, PAGE, ...]`` view; otherwise they must use only
+the per-token vectors.
+
 Macros may define helper variables; they must prefix them with the name of
 their output argument (``out``/``acc``/``k``) so two expansions never clash.
 Pointers are named ``<tensor name>_ptr`` (``k_ptr``, ``k_scale_ptr``...);

@@ -1,0 +1,124 @@
+"""Compile the generated decode kernel for sm_90 offline (no GPU): registers, spills, SASS counts.
+
+    python -m benchmarks.experiments.compile_sm90 int8,ppt=8,warps=4,st=2 int4,ppt=4 ...
+Options per case: d, g, page, dtype, ppt, warps, st, direct (1/0), sass (dump file path).
+Prints n_regs, n_spills, shared bytes, total SASS instructions, and the instruction mix of the
+largest loop body (the block between the last backward branch target and its branch).
+"""
+import os, sys, re, subprocess, tempfile, collections
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("KVGEN_CACHE_DIR", "/tmp/kvgen_sm90_cache")
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvgen.codegen.spec import KernelSpec
+from kvgen.codegen.loader import load_kernel
+from kvgen.registry import default_registry
+
+TT = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int8: "*i8", torch.uint8: "*u8",
+      torch.int32: "*i32", torch.float8_e4m3fn: "*fp8e4nv"}
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+r = default_registry()
+
+
+def compile_one(scheme, d=128, g=8, page=16, dtype="bfloat16", ppt=4, warps=4, stages=2, direct=1):
+    s = r.schemes[scheme]
+    spec = KernelSpec(op="decode", scheme=scheme, head_dim=d, num_kv_heads=8, gqa_group=g, page_size=page,
+                      compute_dtype=dtype, arch="sm_90")
+    mod = load_kernel(spec, s, r)
+    cd = getattr(torch, dtype)
+    fn = mod._decode_kernel
+    names = fn.arg_names
+    tensors = {t.name: t.torch_dtype(cd) for t in s.page_tensors(d, page)}
+    sig, consts = {}, {"DIRECT": bool(direct), "PAGES_PER_TILE": ppt, "BLOCK_N": ppt * page}
+    for n in names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in ("q_ptr", "out_ptr", "rk_ptr", "rv_ptr"):
+            sig[n] = TT[cd]
+        elif n in ("part_out_ptr", "part_lse_ptr"):
+            sig[n] = "*fp32"
+        elif n.endswith("_ptr") and n[:-4] in tensors:
+            sig[n] = TT[tensors[n[:-4]]]
+        elif n.endswith("_ptr"):
+            sig[n] = "*i32"
+        elif n == "qk_scale":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    # what the JIT specializes at launch: 16-byte aligned pointers, strides divisible by 16
+    # (B=32, L=4096, Hq=64, D=128: q/out strides 8192/128, block-table stride 256)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*") or n.startswith("stride_")}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": warps, "num_stages": stages})
+    return k
+
+
+def sass_of(k):
+    """(SASS text, registers, local-memory bytes (spills)) from the cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    ob = os.path.join(BIN, "cuobjdump")
+    out = subprocess.run([ob, "-sass", f.name], capture_output=True, text=True).stdout
+    res = subprocess.run([ob, "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    m = re.search(r"_decode_kernel.*?REG:(\d+).*?LOCAL:(\d+)", res, re.S)
+    return out, int(m.group(1)), int(m.group(2))
+
+
+def loop_stats(sass):
+    """Instruction lines; the largest backward-branch loop body's opcode histogram."""
+    lines = []
+    for l in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", l)
+        if m:
+            lines.append((int(m.group(1), 16), m.group(2).strip()))
+    best = None
+    for i, (addr, ins) in enumerate(lines):
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", ins)
+        if not m:
+            continue
+        tgt = re.search(r"0x([0-9a-f]+)", ins)
+        if not tgt:
+            continue
+        t = int(tgt.group(1), 16)
+        if t < addr:
+            body = [x for a, x in lines if t <= a <= addr]
+            if best is None or len(body) > len(best):
+                best = body
+    hist = collections.Counter()
+    for ins in best or []:
+        op = re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0]
+        hist[op.split(".")[0]] += 1
+    return len(lines), best or [], hist
+
+
+def main():
+    for arg in sys.argv[1:]:
+        parts = arg.split(",")
+        scheme = parts[0]
+        kw = dict(p.split("=") for p in parts[1:])
+        dump = kw.pop("sass", None)
+        opts = {k: (v if k == "dtype" else int(v)) for k, v in kw.items()}
+        if "st" in opts:
+            opts["stages"] = opts.pop("st")
+        try:
+            k = compile_one(scheme, **opts)
+        except Exception as e:
+            import traceback; traceback.print_exc()
+            print("FAIL", arg, type(e).__name__, str(e)[:1500], flush=True)
+            continue
+        sass, regs, local = sass_of(k)
+        if dump:
+            open(dump, "w").write(sass)
+            open(dump + ".ptx", "w").write(k.asm["ptx"])
+        total, body, hist = loop_stats(sass)
+        ppt = opts.get("ppt", 4); page = opts.get("page", 16)
+        top = " ".join(f"{o}:{c}" for o, c in hist.most_common(14))
+        print(f"{arg:45s} regs {regs:3d} local {local:3d} smem {k.metadata.shared:6d} sass {total:5d} "
+              f"loop {len(body):5d} ({len(body) / (ppt * page):.1f}/token)  {top}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
