@@ -16,7 +16,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 [ -d plugins/kvgen-nuq ] && python3 -m pip install -q --no-deps --no-build-isolation -e plugins/kvgen-nuq >>"$OUT/install.log" 2>&1
 python3 -m kvgen.cli schemes
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider -x -o addopts="" -m gpu tests 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25
+  timeout ${KVGEN_GPU_TEST_TIMEOUT:-420} python3 -m pytest -m gpu -q -p no:cacheprovider -x -o addopts="" -m gpu tests 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"

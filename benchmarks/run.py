@@ -327,10 +327,17 @@ def main(argv=None) -> int:
     out_dir = Path(args.out) if args.out else Path(__file__).parent / "results" / f"{date}-{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}"
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    def log(rec):
-        print(json.dumps({k: v for k, v in rec.items() if k != "config"}, default=str), flush=True)
-
     copy_bw = copy_bandwidth()
+    done: list = []
+    header = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, copy_bandwidth=copy_bw, date=date,
+                  command="python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]))
+
+    def log(rec):
+        # Rewritten after every record, so a run cut short still leaves its numbers.
+        done.append(rec)
+        print(json.dumps({k: v for k, v in rec.items() if k != "config"}, default=str), flush=True)
+        (out_dir / "results.json").write_text(json.dumps(dict(header, records=done), indent=1, default=str) + "\n")
+
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s on {gpu}", flush=True)
     records = []
     ops = args.ops.split(",")
@@ -342,9 +349,7 @@ def main(argv=None) -> int:
         records += prefill_records([s for s in schemes if s in ("bf16", "int8", "int4")], copy_bw, log)
     if "compile" in ops:
         records += compile_records(log)
-    result = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, copy_bandwidth=copy_bw, date=date,
-                  command="python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]), records=records)
-    (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (out_dir / "results.json").write_text(json.dumps(dict(header, records=records), indent=1, default=str) + "\n")
     plot(records, out_dir / "bandwidth.png")
     print(f"\n{gpu}, torch {torch.__version__}, triton {triton.__version__}, copy bandwidth {copy_bw / 1e12:.3f} TB/s, {date}")
     print(table(records))
