@@ -10,7 +10,10 @@ python="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
-stamp=".venv/.kvgen-$(cat pyproject.toml plugins/kvgen-nuq/pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)-${extras//,/_}"
+inputs="pyproject.toml"
+[ -f plugins/kvgen-nuq/pyproject.toml ] && inputs="$inputs plugins/kvgen-nuq/pyproject.toml"
+# shellcheck disable=SC2086
+stamp=".venv/.kvgen-$(cat $inputs | sha256sum | cut -c1-16)-${extras//,/_}"
 if [ -f "$stamp" ]; then
   exit 0
 fi
