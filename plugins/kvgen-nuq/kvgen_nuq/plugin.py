@@ -1,0 +1,46 @@
+"""The kvgen plugin module (entry point ``nuq`` in group ``kvgen.plugins``).
+
+kvgen loads this module and calls the hooks below; it is the only place the
+package talks to kvgen, and only through ``kvgen.plugin_api``:
+
+- ``kvgen_register_schemes``: the ``nuq4`` scheme (layout and reference in
+  :mod:`kvgen_nuq.scheme`);
+- ``kvgen_register_templates``: the ``macros/`` folder shipped in this
+  package, which holds ``nuq4.j2`` (the scheme's Jinja macros);
+- ``kvgen_register_commands``: the ``kvgen nuq`` command group
+  (``calibrate``, ``show``; see :mod:`kvgen_nuq.cli`).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import warnings
+
+from kvgen.plugin_api import hookimpl
+
+
+@hookimpl
+def kvgen_register_schemes(register):
+    from kvgen_nuq.codebook import CodebookError
+    from kvgen_nuq.scheme import Nuq4
+
+    try:
+        scheme = Nuq4()
+    except CodebookError as exc:
+        # Raising here would make kvgen drop the whole plugin, ``kvgen nuq calibrate``
+        # (the way to write a good codebook) included; so warn and register no scheme.
+        warnings.warn(f"kvgen-nuq: scheme nuq4 not registered: {exc}", stacklevel=2)
+        return
+    register(scheme)
+
+
+@hookimpl
+def kvgen_register_templates(register):
+    register(importlib.resources.files("kvgen_nuq") / "macros")
+
+
+@hookimpl
+def kvgen_register_commands(register):
+    from kvgen_nuq.cli import HELP, build
+
+    register("nuq", HELP, build)
