@@ -2,9 +2,9 @@
 
 import pluggy
 
-from kvgen.errors import KvgenError
+from kvgen.errors import KvgenError, SchemeCapabilityError
 from kvgen.schemes import COMPUTE, D, P, PageTensor, Scheme
 
 hookimpl = pluggy.HookimplMarker("kvgen")
 
-__all__ = ["hookimpl", "KvgenError", "Scheme", "PageTensor", "COMPUTE", "D", "P"]
+__all__ = ["hookimpl", "KvgenError", "SchemeCapabilityError", "Scheme", "PageTensor", "COMPUTE", "D", "P"]

@@ -73,11 +73,23 @@ def _collect(record: PluginRecord, plugin: object, registry: Registry) -> None:
         registry.template_dirs.append(path)
         record.registered.setdefault("templates", []).append(str(path))
 
-    pm.hook.kvgen_register_schemes(register=keyed("schemes", registry.schemes, lambda s: s.name))
-    pm.hook.kvgen_register_targets(register=keyed("targets", registry.targets, lambda t: t.name))
-    pm.hook.kvgen_register_models(register=keyed("models", registry.models, lambda m: m.name))
-    pm.hook.kvgen_register_templates(register=register_template_dir)
-    pm.hook.kvgen_register_commands(register=keyed("commands", registry.commands, lambda n: n))
+    calls = [
+        ("kvgen_register_schemes", keyed("schemes", registry.schemes, lambda s: s.name)),
+        ("kvgen_register_targets", keyed("targets", registry.targets, lambda t: t.name)),
+        ("kvgen_register_models", keyed("models", registry.models, lambda m: m.name)),
+        ("kvgen_register_templates", register_template_dir),
+        ("kvgen_register_commands", keyed("commands", registry.commands, lambda n: n)),
+    ]
+    errors = []
+    for hook_name, register in calls:
+        # Each hook on its own: a plugin whose scheme hook fails keeps its
+        # other contributions (say, the command that repairs its data file).
+        try:
+            getattr(pm.hook, hook_name)(register=register)
+        except Exception as exc:
+            errors.append(f"{hook_name}: {type(exc).__name__}: {exc}")
+    if errors:
+        record.error = "; ".join(errors)
 
 
 def load_registry(extra_plugins: tuple[object, ...] = ()) -> Registry:

@@ -91,3 +91,22 @@ def test_console_script_exit_code_and_single_line():
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "nope" in proc.stderr
+
+
+def test_a_failing_hook_keeps_the_plugins_other_contributions():
+    from kvgen.plugin_api import hookimpl
+    from kvgen.registry import load_registry
+
+    class Broken:
+        @hookimpl
+        def kvgen_register_schemes(self, register):
+            raise RuntimeError("codebook file unreadable")
+
+        @hookimpl
+        def kvgen_register_commands(self, register):
+            register("repair", "fix the data file", lambda parser: (lambda args: 0))
+
+    reg = load_registry(extra_plugins=(Broken(),))
+    record = reg.plugins[-1]
+    assert "codebook file unreadable" in record.error
+    assert "repair" in reg.commands and "fp16" in reg.schemes
