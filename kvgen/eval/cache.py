@@ -138,17 +138,19 @@ class PagedReferenceLayer(CacheLayerMixin):
             group.num_compressed = 0
             group.stored.clear()
 
+    # generate() features this cache refuses on purpose (an EvalError, not a missing feature):
+    # eval scores one prompt per scheme row, so nothing needs to rewind or regroup rows.
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a kvgen paged cache cannot be cropped: quantized pages are not reversible")
+        raise EvalError("a kvgen paged cache cannot be cropped (quantized pages are not reversible); do not use assisted decoding")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("kvgen's reference cache holds one scheme per row; beam search is not supported")
+        raise EvalError("kvgen's reference cache holds one scheme per row; beam search is not supported, use greedy scoring")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("kvgen's reference cache holds one scheme per row; it cannot be repeated")
+        raise EvalError("kvgen's reference cache holds one scheme per row; it cannot be repeated (num_return_sequences=1)")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("kvgen's reference cache holds one scheme per row; rows cannot be selected")
+        raise EvalError("kvgen's reference cache holds one scheme per row; rows cannot be selected")
 
     # -- storage ----------------------------------------------------------------
     def _reserve(self, tokens: int) -> None:

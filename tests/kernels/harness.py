@@ -496,3 +496,17 @@ def tolerance(scheme: Scheme, compute_dtype: torch.dtype) -> float:
     """The scheme's kernel-vs-reference tolerance; bfloat16 rounding of q and p needs at least 1e-2."""
     tol = scheme.tolerance
     return max(tol, 1e-2) if compute_dtype == torch.bfloat16 else tol
+
+
+def cache_and_kernel(op: str, case, lengths, *, seed: int = 0, window: int = 0, softcap: float = 0.0, dev=None):
+    """A random paged cache for ``lengths`` and the ``op`` kernel for ``case`` (window/softcap in its spec)."""
+    dev = dev or device()
+    s = case.scheme_obj
+    cache = make_cache(s, case.head_dim, case.num_kv_heads, case.page_size, lengths, case.dtype, device=dev, seed=seed)
+    kw = {}
+    if window:
+        kw["sliding_window"] = window
+    if softcap:
+        kw["softcap"] = softcap
+    mod = load_op(op, s, case.head_dim, case.num_kv_heads, case.gqa, case.page_size, case.dtype, dev=dev, **kw)
+    return cache, mod

@@ -28,16 +28,7 @@ def run_decode(case: hz.Case, lengths, *, config=None, seed=0, window=0, softcap
                dev=None):
     """Build a cache, launch decode with a poisoned output, return (out, reference float64, cache, q)."""
     dev = dev or hz.device()
-    s = case.scheme_obj
-    cache = hz.make_cache(s, case.head_dim, case.num_kv_heads, case.page_size, lengths, case.dtype,
-                          device=dev, seed=seed)
-    kw = {}
-    if window:
-        kw["sliding_window"] = window
-    if softcap:
-        kw["softcap"] = softcap
-    mod = hz.load_op("decode", s, case.head_dim, case.num_kv_heads, case.gqa, case.page_size, case.dtype,
-                     dev=dev, **kw)
+    cache, mod = hz.cache_and_kernel("decode", case, lengths, seed=seed, window=window, softcap=softcap, dev=dev)
     hq = case.num_kv_heads * case.gqa
     q = (hz.random_q(len(lengths), hq, case.head_dim, torch.float32, "cpu", seed=seed + 1) * q_scale)
     q = q.to(case.dtype).to(dev)

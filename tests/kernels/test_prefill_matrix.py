@@ -71,16 +71,7 @@ def run_prefill(case: hz.Case, lengths, qlens, *, config=None, seed=0, window=0,
     ``reference_fn(window=..., softcap=...)`` recomputes the reference on the same cache and queries.
     """
     dev = dev or hz.device()
-    s = case.scheme_obj
-    cache = hz.make_cache(s, case.head_dim, case.num_kv_heads, case.page_size, lengths, case.dtype,
-                          device=dev, seed=seed)
-    kw = {}
-    if window:
-        kw["sliding_window"] = window
-    if softcap:
-        kw["softcap"] = softcap
-    mod = hz.load_op("prefill", s, case.head_dim, case.num_kv_heads, case.gqa, case.page_size, case.dtype,
-                     dev=dev, **kw)
+    cache, mod = hz.cache_and_kernel("prefill", case, lengths, seed=seed, window=window, softcap=softcap, dev=dev)
     hq = case.num_kv_heads * case.gqa
     if q is None:
         q = hz.random_q(sum(qlens), hq, case.head_dim, torch.float32, "cpu", seed=seed + 1) * q_scale
