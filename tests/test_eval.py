@@ -124,9 +124,17 @@ def quality(stories):
     model, docs = stories
     reg = default_registry().schemes
     schemes = [reg[n] for n in ("fp16", "int8", "int4", "int2") if n in reg]
+    if "int2" in reg:
+        schemes.append(_int2_tail_only(reg["int2"]))
     windows = make_windows(docs, 512, max_tokens=1200)
     rows = evaluate(model, windows, EvalRun("stories260K", "tinystories", schemes, window=512))
     return {r["scheme"]: r for r in rows}, windows
+
+
+def _int2_tail_only(int2):
+    """The built-in int2 with int4's residual policy (only the partial tail page exact)."""
+    cls = type("Int2TailOnly", (type(int2),), {"name": "int2-tail", "residual_tokens": 0})
+    return cls()
 
 
 def test_quality_orders_schemes(quality):
@@ -134,13 +142,24 @@ def test_quality_orders_schemes(quality):
     for name in ("int8", "int4", "int2"):
         if name not in rows:
             pytest.skip(f"scheme {name} not registered yet")
-    int8, int4, int2 = rows["int8"], rows["int4"], rows["int2"]
-    assert int8["kl"] < int4["kl"] < int2["kl"]
+    int8, int4, int2, int2_tail = rows["int8"], rows["int4"], rows["int2"], rows["int2-tail"]
+    # Fewer bits, more loss: int8 < int4 < int2, in KL over all predictions and over decode steps.
+    # int2 is ordered at int4's residual policy: the built-in int2 keeps its last 128 tokens exact,
+    # and these stories are short (170-620 tokens, half prefilled and attending themselves exactly),
+    # so that window covers most of what a decode step attends to and the built-in int2 measures
+    # about int8's KL here; on SmolLM2 over 1024-token windows it is far above int4 (README).
+    for key in ("kl", "kl_decode"):
+        assert int8[key] < int4[key] < int2_tail[key], key
+        assert int2_tail[key] > 10 * int4[key], key
     assert abs(int8["rel_delta_ppl"]) < 0.01
     # A bypassed quantized path would give KL 0 and perfect top-1 agreement.
-    assert int2["kl"] > 1e-3 and int2["kl_decode"] > 1e-4 and int2["top1"] < 1.0
+    assert int2["kl"] > 1e-4 and int2["kl_decode"] > 1e-4 and int2["top1"] < 1.0
     assert int8["kl"] > 0 and int8["kl_decode"] > 0
     for r in rows.values():
+        # one prefill per window, attending itself exactly: its predictions match the baseline's
+        prefill_kl = (r["kl"] * r["scored_tokens"] - r["kl_decode"] * r["decode_tokens"]) / r["prefill_tokens"]
+        assert abs(prefill_kl) < 1e-7, (r["scheme"], prefill_kl)
+        assert r["prefill_chunk_kv"] == "fresh"
         assert r["decode_tokens"] == sum(w.decode_predictions for w in windows) > 0
         assert r["scored_tokens"] == sum(w.predictions for w in windows)
         assert r["compressed_pages"] > 0
@@ -152,17 +171,30 @@ def test_fp16_is_nearly_lossless(quality):
     assert rows["fp16"]["kl"] < 1e-4 and abs(rows["fp16"]["rel_delta_ppl"]) < 1e-3
 
 
-def test_convert_after_attention_keeps_the_prompt_exact(stories):
-    """The diagnostic ordering: a prompt attends to itself at full precision; decode steps still read int2 pages."""
-    from kvgen.eval.assets import make_windows
-    from kvgen.eval.runner import EvalRun, evaluate
+def test_prefill_attends_the_prompt_exactly(stories):
+    """The prefill forward attends its own tokens exactly (as the kernels do with k_new/v_new); decode steps
+    read the stored pages. int2's prompt is longer than its residual window, so some of it is compressed
+    before the prefill's attention runs: its logits must still equal the fp32 cache's up to float noise, while
+    decode logits differ. Fails if the reference feeds the prompt back from the pages (or never quantizes)."""
+    from kvgen.eval.cache import PagedReferenceCache
+    from kvgen.eval.runner import run_window
 
     model, docs = stories
-    schemes = _schemes("int2")
-    windows = [w for w in make_windows(docs, 512, max_tokens=1200) if w.prefill > 160]
-    r = evaluate(model, windows, EvalRun("s", "t", schemes, window=512, convert_after_attention=True))[0]
-    prefill_kl = (r["kl"] * r["scored_tokens"] - r["kl_decode"] * r["decode_tokens"]) / r["prefill_tokens"]
-    assert prefill_kl < 1e-9 < r["kl_decode"]
+    rows = _schemes("fp32", "int8", "int2")
+    n, prefill = 200, 170
+    assert rows[2].compressed_pages(prefill, 16) > 0
+    ids = torch.tensor(docs[1][:n])[None].expand(len(rows), -1)
+    cache = PagedReferenceCache.for_model(model, rows, page_size=16)
+    logits = run_window(model, ids, prefill, cache)
+    base = logits[0].double()
+
+    def err(r, sl):
+        return ((logits[r, sl].double() - base[sl]).norm() / base[sl].norm()).item()
+
+    for r, s in enumerate(rows[1:], 1):
+        assert err(r, slice(0, prefill)) < 1e-5, f"{s.name}: the prompt did not attend itself exactly"
+        assert err(r, slice(prefill, None)) > 1e-4, f"{s.name}: decode steps did not read the quantized pages"
+        assert cache.layers[0].num_compressed_pages(r) > 0
 
 
 def test_merge_of_shards_is_exact(stories):
@@ -316,6 +348,45 @@ def test_reference_matches_kernels(stories, name, n, prefill):
     cache.release()
     err = ((kern.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err <= 1e-3, f"{name}: reference vs kernels logits rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_reference_matches_kernels_chunked(stories, name):
+    """Chunked prefill: a second multi-token forward after a prefix that ends mid-page, then a decode step.
+
+    Reference and kernels must agree on which keys are exact: each chunk's own tokens (fresh), the prefix
+    from the pages (int4: page 0 fills and is compressed inside the second chunk), the decode step's new
+    token from the pages too. The second chunk must differ from the float32 cache (its prefix is quantized).
+    """
+    pytest.importorskip("kvgen.integrations.transformers", reason="the HF integration is not there yet")
+    from kvgen.eval.cache import PagedReferenceCache
+    from kvgen.eval.runner import _forward, attach_copy
+
+    model, docs = stories
+    (scheme, fp32) = _schemes(name, "fp32")
+    chunks = [10, 9, 1]
+    ids = torch.tensor(docs[3][:sum(chunks)])[None]
+
+    @torch.inference_mode()
+    def run(m, cache):
+        out, start = [], 0
+        for c in chunks:
+            logits, cache = _forward(m, ids[:, start:start + c], cache)
+            out.append(logits.float())
+            start += c
+        return torch.cat(out, 1)[0].double()
+
+    base = run(model, PagedReferenceCache.for_model(model, [fp32], 16))
+    ref = run(model, PagedReferenceCache.for_model(model, [scheme], 16))
+    kmodel, new_cache = attach_copy(model, scheme, 16)
+    cache = new_cache()
+    kern = run(kmodel, cache)
+    cache.release()
+    err = ((kern - ref).norm() / ref.norm()).item()
+    assert err <= 1e-3, f"{name}: reference vs kernels logits rel err {err:.2e}"
+    first, second = slice(0, chunks[0]), slice(chunks[0], chunks[0] + chunks[1])
+    assert ((ref[first] - base[first]).norm() / base[first].norm()).item() < 1e-5
+    assert ((ref[second] - base[second]).norm() / base[second].norm()).item() > 1e-5
 
 
 def test_kernels_backend_evaluate(stories):

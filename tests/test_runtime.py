@@ -4,7 +4,10 @@ Kernels run under the Triton interpreter (conftest sets TRITON_INTERPRET=1),
 so shapes are small: a 2-layer model with 2 KV heads, 4 query heads and
 head_dim 16, 16-token pages. The reference is float64 attention over what
 the cache should hold: the scheme's own torch quantize/dequantize for
-compressed pages, the exact K/V for residual pages.
+compressed pages, the exact K/V for residual pages -- except that
+``prefill(layer, q, k, v)`` attends the step's own tokens from the given k/v
+exactly (only the earlier tokens from the pages), while ``append_kv`` then
+``prefill(layer, q, None, None)`` and ``decode`` read every key from the pages.
 """
 
 from __future__ import annotations
@@ -112,16 +115,25 @@ class Truth:
         self.k[key] = torch.cat([self.k.get(key, torch.empty(0, H, D)), k])
         self.v[key] = torch.cat([self.v.get(key, torch.empty(0, H, D)), v])
 
-    def reference(self, layer, sid, q, exact=False):
+    def reference(self, layer, sid, q, exact=False, fresh=0):
+        """Attention of ``q`` (the last tokens) over the cache; ``fresh``: the last tokens whose K/V are exact."""
         k, v = self.k[(layer, sid)], self.v[(layer, sid)]
         if not exact:
             bm = self.cache.block_manager
-            k, v = expected_cache(self.cache.scheme, k, v, bm.num_compressed(sid), self.cache.page_size)
+            ek, ev = expected_cache(self.cache.scheme, k, v, bm.num_compressed(sid), self.cache.page_size)
+            n = k.shape[0]
+            k = torch.cat([ek[:n - fresh], k[n - fresh:].double()])
+            v = torch.cat([ev[:n - fresh], v[n - fresh:].double()])
         return ref_attention(q, k, v)
 
 
 def run_step(cache: KVCache, truth: Truth, seq_ids, counts, gen, mode="prefill"):
-    """One model step over every layer; returns per layer (output, reference, exact reference)."""
+    """One model step over every layer; returns per layer (output, reference, exact reference).
+
+    ``mode``: ``prefill`` -- ``prefill(layer, q, k, v)``, the step's own tokens attended
+    exactly; ``pages`` -- ``append_kv`` then ``prefill(layer, q, None, None)``, every key
+    from the pages; ``decode`` -- ``append_kv`` then ``decode``.
+    """
     cache.plan_step(seq_ids, counts)
     total = sum(counts)
     results = []
@@ -132,13 +144,16 @@ def run_step(cache: KVCache, truth: Truth, seq_ids, counts, gen, mode="prefill")
         if mode == "decode":
             cache.append_kv(layer, seq_ids, k, v)
             out = cache.decode(layer, q, seq_ids)
+        elif mode == "pages":
+            cache.append_kv(layer, seq_ids, k, v)
+            out = cache.prefill(layer, q, None, None, seq_ids)
         else:
             out = cache.prefill(layer, q, k, v, seq_ids)
         refs, exacts = [], []
         start = 0
         for sid, n in zip(seq_ids, counts):
             truth.append(layer, sid, k[start:start + n], v[start:start + n])
-            refs.append(truth.reference(layer, sid, q[start:start + n]))
+            refs.append(truth.reference(layer, sid, q[start:start + n], fresh=n if mode == "prefill" else 0))
             exacts.append(truth.reference(layer, sid, q[start:start + n], exact=True))
             start += n
         results.append((out, torch.cat(refs), torch.cat(exacts)))
@@ -218,6 +233,37 @@ def test_prefill_decode_chunks_match_reference(scheme):
     assert [cache.seq_len(s) for s in ids] == [42 + residual, 16, 25]
     if default_registry().schemes[scheme].residual_tokens is not None:
         assert cache.block_manager.num_compressed("a") == (42 + residual) // 16 - residual // 16
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_prefill_fresh_chunk_vs_pages(scheme):
+    """prefill(q, k, v) attends the step's own tokens exactly; append_kv + prefill(q, None, None) reads them
+    back from the pages. Both match their references; for a lossy scheme they differ (the chunks reach
+    compressed pages), for fp32 they agree. The pages hold the same data either way."""
+    residual = default_registry().schemes[scheme].residual_tokens or 0
+    outs, kv = {}, {}
+    for mode in ("prefill", "pages"):
+        # zeroed pools: read_kv dequantizes whole pages, and garbage in a tail page's unwritten slots overflows
+        cache = make_cache(scheme, max_tokens=2048, num_layers=1, zero=True)
+        truth = Truth(cache)
+        gen = torch.Generator().manual_seed(6)
+        ids = ["a", "b"]
+        for sid in ids:
+            cache.add(sid)
+        # whole prompts (a's is longer than the residual window), then chunks after prefixes that end mid-page
+        first = run_step(cache, truth, ids, [20 + residual, 5], gen, mode=mode)
+        second = run_step(cache, truth, ids, [19, 16 + residual], gen, mode=mode)
+        for results in (first, second):
+            check(results, scheme, EXACT_BOUND[scheme])
+        outs[mode] = torch.cat([first[0][0], second[0][0]])
+        kv[mode] = [cache.read_kv(0, sid) for sid in ids]
+    for (ka, va), (kb, vb) in zip(kv["prefill"], kv["pages"]):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    diff = rel_err(outs["prefill"], outs["pages"])  # float32 kernels: ~1e-7 apart when they agree
+    if scheme == "fp32":
+        assert diff < 1e-6
+    else:
+        assert diff > 1e-3, f"k/v given, yet the output equals the all-from-pages one ({diff:.1e})"
 
 
 @pytest.mark.parametrize("scheme", [s for s in ("int4", "int2") if s in SCHEMES][:1])
@@ -329,6 +375,8 @@ def test_step_misuse_raises_clear_errors():
         cache.append_kv(0, ["a", "b"], k[:4], k[:4])
     with pytest.raises(KvgenRuntimeError, match="not written"):
         cache.prefill(0, torch.zeros(5, HQ, D), None, None, ["a", "b"])
+    with pytest.raises(KvgenRuntimeError, match="both k and v"):
+        cache.prefill(0, torch.zeros(5, HQ, D), k, None, ["a", "b"])
     with pytest.raises(KvgenRuntimeError, match="one token per sequence"):
         cache.decode(0, torch.zeros(2, HQ, D), ["a", "b"], k[:2], k[:2])
     cache.append_kv(0, ["a", "b"], k, k)

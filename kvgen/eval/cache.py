@@ -16,21 +16,25 @@ interpreter. Per layer and sequence:
   window (``Scheme.compressed_pages`` says how many pages are compressed),
   exactly when the runtime's ``page_quantize`` would.
 
+Which K/V attention gets from an update -- the same rule as the kernels
+(``kvgen.integrations.transformers``: a forward of several tokens runs
+``KVCache.prefill(layer, q, k, v)``, a one-token forward ``KVCache.decode``):
+
+- a *prefill* step (more than one new token): the cached prefix as stored
+  (dequantized pages, exact residual), then the step's own tokens exactly as
+  given (``key_states``/``value_states`` in the compute dtype), as serving
+  systems attend a fresh prompt chunk. The step's tokens are still written
+  and quantized first, so pages leaving the residual window convert as in
+  the runtime and later steps read the stored form;
+- a *decode* step (one new token): everything as stored, the new token too
+  (the decode kernel reads it back from the pages).
+
 Quantized data never changes once written, so every layer keeps a float
-*mirror* ``[B, H, capacity, D]`` of what attention sees (dequantized pages,
+*mirror* ``[B, H, capacity, D]`` of what is stored (dequantized pages,
 exact residual tokens) and only does work for new tokens: a decode step costs
 one token's quantization (or one page every ``page`` steps), not the whole
 history. The compressed tensors themselves are kept too (``stored_pages``), so
 a test can rebuild the mirror from storage.
-
-``convert_after_attention=True`` is a diagnostic of the *ordering*, not of
-the numerics: kvgen's runtime (``KVCache.append_kv`` then ``prefill``) writes
-a step's tokens, converts the pages that left the residual window, then
-attends, so a prompt's queries already read its older pages quantized -- its
-first tokens see even their own keys at 2 or 4 bits. With this flag a
-residual scheme converts after the step's attention instead (as KIVI does:
-the prompt is attended at full precision, then stored quantized); the
-conversion then lands at the start of the next update.
 
 Each batch row may use a different scheme (``schemes[b]``): ``kvgen eval``
 runs the float32 baseline and every scheme as rows of one batch, so the
@@ -72,12 +76,11 @@ class PagedReferenceLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, schemes: Sequence[Scheme], page_size: int = 16,
-                 compute_dtype: torch.dtype = torch.float32, convert_after_attention: bool = False):
+                 compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.schemes = list(schemes)
         self.page_size = page_size
         self.compute_dtype = compute_dtype
-        self.convert_after_attention = convert_after_attention
         self.length = 0
         self.groups: list[_Group] = []
         by_name: dict[str, _Group] = {}
@@ -105,21 +108,23 @@ class PagedReferenceLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
         start, end = self.length, self.length + n
-        if self.convert_after_attention:  # the conversions the previous step's attention did not see yet
-            for group in self.groups:
-                if group.scheme.residual_tokens is not None:
-                    self._quantize_full_pages(group)
+        k_new = key_states.to(self.compute_dtype)
+        v_new = value_states.to(self.compute_dtype)
         # Room for the new tokens rounded up to whole pages (the pad of a per-token scheme's last chunk).
         self._reserve(-(-end // self.page_size) * self.page_size)
-        self.keys[:, :, start:end] = key_states.to(self.compute_dtype)
-        self.values[:, :, start:end] = value_states.to(self.compute_dtype)
+        self.keys[:, :, start:end] = k_new
+        self.values[:, :, start:end] = v_new
         self.length = end
         for group in self.groups:
             if group.scheme.residual_tokens is None:
                 self._quantize_tokens(group, start, end)
-            elif not self.convert_after_attention:
+            else:
                 self._quantize_full_pages(group)
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        if n == 1:  # decode: the new token is read back from the pages too
+            return self.keys[:, :, :end], self.values[:, :, :end]
+        # prefill: the stored prefix, then this step's tokens exactly
+        return (torch.cat([self.keys[:, :, :start], k_new], dim=2),
+                torch.cat([self.values[:, :, :start], v_new], dim=2))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -169,7 +174,7 @@ class PagedReferenceLayer(CacheLayerMixin):
         self.keys, self.values = keys, values
 
     def _roundtrip(self, group: _Group, first: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize ``pages`` whole pages from token ``first`` of the group's rows; write back what attention sees."""
+        """Quantize ``pages`` whole pages from token ``first`` of the group's rows; write back what is stored (dequantized)."""
         p, h, d = self.page_size, self.num_kv_heads, self.head_dim
         rows = group.rows
         sl = slice(first, first + pages * p)
@@ -211,7 +216,6 @@ class PagedReferenceLayer(CacheLayerMixin):
     def _quantize_full_pages(self, group: _Group) -> None:
         """Residual scheme: compress the full pages that left the residual window."""
         target = group.scheme.compressed_pages(self.length, self.page_size)
-        # (with convert_after_attention, called before the step's write: pages that filled last step)
         new = target - group.num_compressed
         if new <= 0:
             return
@@ -256,7 +260,7 @@ class PagedReferenceCache(Cache):
     """
 
     def __init__(self, schemes: Sequence[Scheme], num_layers: int, page_size: int = 16,
-                 compute_dtype: torch.dtype = torch.float32, convert_after_attention: bool = False):
+                 compute_dtype: torch.dtype = torch.float32):
         if not schemes:
             raise EvalError("a reference cache needs at least one scheme")
         for s in schemes:
@@ -268,12 +272,11 @@ class PagedReferenceCache(Cache):
                                 f"of {page_size}-token pages; pass another --page-size")
         self.schemes = list(schemes)
         self.page_size = page_size
-        super().__init__(layers=[PagedReferenceLayer(schemes, page_size, compute_dtype, convert_after_attention)
+        super().__init__(layers=[PagedReferenceLayer(schemes, page_size, compute_dtype)
                                  for _ in range(num_layers)])
 
     @classmethod
-    def for_model(cls, model, schemes: Sequence[Scheme], page_size: int = 16,
-                  convert_after_attention: bool = False) -> "PagedReferenceCache":
+    def for_model(cls, model, schemes: Sequence[Scheme], page_size: int = 16) -> "PagedReferenceCache":
         """A cache sized from ``model.config`` (decoder layers), in the model's dtype."""
         config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
@@ -283,4 +286,4 @@ class PagedReferenceCache(Cache):
         for s in schemes:
             s.check(head_dim, page_size)
         dtype = next(model.parameters()).dtype
-        return cls(schemes, config.num_hidden_layers, page_size, dtype, convert_after_attention)
+        return cls(schemes, config.num_hidden_layers, page_size, dtype)

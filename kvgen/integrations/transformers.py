@@ -21,7 +21,11 @@ function):
   (``KVCache.plan_step``: one host-side plan for all layers); every layer
   then writes its K/V into the pages (cache-write kernel, plus copy-on-write
   and page conversions) and attends with the prefill kernel (several new
-  tokens) or the decode kernel (one new token per sequence).
+  tokens) or the decode kernel (one new token per sequence). The prefill
+  kernel gets the step's K/V too (``KVCache.prefill(layer, q, k, v)``, rows
+  aligned with q, padding rows dropped from both alike) and attends the
+  step's own tokens from them exactly, only earlier tokens from the pages;
+  the decode kernel reads everything, the new token included, from the pages.
 - The mask function registered for ``"kvgen"`` passes the 2-D padding mask
   through unchanged, so the attention function knows which tokens are
   padding.

@@ -22,6 +22,15 @@ metadata (a long append to a residual scheme may take a few such phases,
 see ``step.reserve_step``); ``decode``/``prefill`` then read the cache. Run every layer of a
 step before planning the next one: the next plan may reuse pages the
 current step's conversions still have to read.
+
+Which keys come from where: ``prefill(layer, q, k, v)`` writes the chunk's
+K/V into the pages *and* hands the same k/v to the kernel, which attends the
+chunk's own tokens exactly (compute dtype, as serving systems do) and only
+the earlier tokens (the cached prefix) from the pages; the pages keep the
+chunk in the scheme's format for later steps. ``prefill(layer, q, None,
+None)`` after ``append_kv`` reads every key from the pages, chunk included,
+and ``decode`` always reads the whole history, the new token too, from the
+pages.
 """
 
 from __future__ import annotations
@@ -310,10 +319,14 @@ class KVCache:
             return lambda: mod.launch(q, out, pools, bt, seq_lens, ncomp, self.sm_scale, config=config)
         Q = min(bucket(shape[1]), S)
         q = torch.randn(B * Q, self.num_q_heads, self.head_dim, generator=gen).to(self.device, self.dtype)
+        # The chunk's own K/V fresh, as prefill(layer, q, k, v) -- the usual call -- runs the kernel.
+        k_new = torch.randn(B * Q, self.num_kv_heads, self.head_dim, generator=gen).to(self.device, self.dtype)
+        v_new = torch.randn(B * Q, self.num_kv_heads, self.head_dim, generator=gen).to(self.device, self.dtype)
         out = torch.empty_like(q)
         cu = torch.arange(0, B + 1, dtype=torch.int32, device=self.device) * Q
         mod = self.kernels["prefill"]
-        return lambda: mod.launch(q, out, pools, bt, seq_lens, ncomp, cu, Q, self.sm_scale, config=config)
+        return lambda: mod.launch(q, out, pools, bt, seq_lens, ncomp, cu, Q, self.sm_scale, config=config,
+                                  k_new=k_new, v_new=v_new)
 
     # -- per-layer ops (no host synchronization) -----------------------------------
     def _current(self, seq_ids: Sequence[Hashable] | None) -> StepMetadata:
@@ -403,15 +416,26 @@ class KVCache:
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 seq_ids: Sequence[Hashable] | None = None, *, out: torch.Tensor | None = None,
                 sm_scale: float | None = None) -> torch.Tensor:
-        """Write the step's K/V (when given), then causal attention of its new tokens over the cache.
+        """Causal attention of the step's new tokens: ``q [total_new_tokens, Hq, D]`` -> same shape.
 
-        ``q`` ``[total_new_tokens, Hq, D]``; sequence ``b``'s rows are its
-        ``num_new[b]`` tokens of this step (the last ones of the sequence).
-        Works for any step, decode steps included.
+        Sequence ``b``'s rows of ``q`` are its ``num_new[b]`` tokens of this
+        step (the last ones of the sequence). With ``k``, ``v``
+        (``[total_new_tokens, H_kv, D]``, the same rows) they are written into
+        the pages (as :meth:`append_kv`) and the kernel attends these tokens
+        from ``k``/``v`` exactly, in the compute dtype, and only the earlier
+        tokens from the pages, so a prompt never sees itself quantized while
+        later steps read the compressed copy. With ``k = v = None`` (the
+        caller ran :meth:`append_kv` already) every key is read from the
+        pages, the step's own ones included. Works for any step, decode steps
+        included.
         """
         step = self._current(seq_ids)
         pools = self._layer(layer)
-        if k is not None or v is not None:
+        if (k is None) != (v is None):
+            raise KvgenRuntimeError("pass both k and v (the step's new K/V) to prefill, or neither")
+        if k is not None:
+            k = self._as_input("k", k, step.total_tokens, self.num_kv_heads)
+            v = self._as_input("v", v, step.total_tokens, self.num_kv_heads)
             self.append_kv(layer, None, k, v)
         self._check_written(step, layer)
         q = self._as_input("q", q, step.total_tokens, self.num_q_heads)
@@ -422,7 +446,7 @@ class KVCache:
         self.kernels["prefill"].launch(q, out, pools, step.block_tables, step.seq_lens, step.num_compressed,
                                        step.cu_seqlens_q, max(1, step.max_q_len),
                                        self.sm_scale if sm_scale is None else sm_scale,
-                                       config=step.configs.get("prefill"))
+                                       config=step.configs.get("prefill"), k_new=k, v_new=v)
         return out
 
     # -- inspection (host syncs; for tests and debugging) ---------------------------

@@ -9,12 +9,22 @@ launch) is compared with float64 attention over the scheme's *dequantized*
 K/V within ``scheme.tolerance`` (relative L2). Pools start poisoned, so a
 kernel that reads an unwritten slot fails.
 
+Two key sources (the ``kv`` axis): ``pages`` -- every key read back from the
+pages (launch without k_new/v_new); ``fresh`` -- the chunk's own keys passed
+as k_new/v_new in the compute dtype and attended exactly, only the cached
+prefix read from the pages (what ``KVCache.prefill(layer, q, k, v)`` does).
+The fresh reference is therefore [dequantized prefix ; exact chunk], and the
+pages that hold only chunk tokens (and the chunk's residual slots) are
+poisoned before a fresh launch, so reading the chunk back from the pages
+fails with NaN.
+
 Axes: head_dim {8, 64, 96, 128} x GQA {1, 4, 8} x page {16, 32} x sequence
 lengths {1, page-1, page, page+1, residual window + page + 1, ragged batch}
 x query chunk {whole sequence (plain prefill), short chunk at the end (append
-after a prefix-cache hit)} x compute dtype. The whole product is ``slow``;
-the default cut covers every value of every axis at least once per scheme,
-plus tile configs, sliding window, softcap and edge cases.
+after a prefix-cache hit)} x key source {pages, fresh} x compute dtype. The
+whole product is ``slow``; the default cut covers every value of every axis
+at least once per scheme, plus tile configs, sliding window, softcap, fresh
+chunks at page boundaries and edge cases.
 """
 
 from __future__ import annotations
@@ -31,7 +41,9 @@ HEAD_DIMS = (8, 64, 96, 128)
 GQAS = (1, 4, 8)
 PAGES = (16, 32)
 CHUNKS = ("prefill", "append")
-AXES = {"head_dim": HEAD_DIMS, "gqa": GQAS, "page_size": PAGES, "lengths": hz.LENGTH_KINDS, "chunk": CHUNKS}
+SOURCES = ("pages", "fresh")
+AXES = {"head_dim": HEAD_DIMS, "gqa": GQAS, "page_size": PAGES, "lengths": hz.LENGTH_KINDS, "chunk": CHUNKS,
+        "kv": SOURCES}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -62,11 +74,62 @@ def small_tiles(case: hz.Case) -> dict:
             "num_warps": 4, "num_stages": 1}
 
 
+def fresh_kv(cache: hz.Cache, qlens, strided: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks' own K/V as a caller holds them: ``[total_q, H, D]`` in the compute dtype, q's row order.
+
+    ``strided``: views into wider buffers (no unit head stride), as launch accepts any strides.
+    """
+    def rows(xs):
+        x = torch.cat([t[:, n - ql:].transpose(0, 1) for t, n, ql in zip(xs, cache.lengths, qlens)])
+        x = x.to(cache.compute_dtype).to(cache.device)
+        if not strided:
+            return x.contiguous()
+        wide = hz.poison_(torch.empty(x.shape[0], x.shape[1], 2 * x.shape[2], dtype=x.dtype, device=x.device))
+        wide[..., 1::2] = x
+        return wide[..., 1::2]
+    return rows(cache.ks_raw), rows(cache.vs_raw)
+
+
+def fresh_seen(cache: hz.Cache, qlens) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What a fresh launch attends per sequence: the dequantized prefix from the pages, then the exact chunk."""
+    dt = cache.compute_dtype
+
+    def join(seen, raw):
+        return [torch.cat([s[:, :n - ql], r[:, n - ql:].to(dt).float()], 1)
+                for s, r, n, ql in zip(seen, raw, cache.lengths, qlens)]
+    return join(cache.ks, cache.ks_raw), join(cache.vs, cache.vs_raw)
+
+
+def poison_chunks(cache: hz.Cache, qlens) -> None:
+    """Poison what a fresh launch must not read: pages holding only chunk tokens, and chunk slots of residual pages.
+
+    (A compressed page shared by prefix and chunk stays: the prefix needs it, and a
+    packed page cannot be poisoned slot by slot.)
+    """
+    P = cache.page_size
+    for b, (n, ql) in enumerate(zip(cache.lengths, qlens)):
+        first = n - ql
+        for j, pid in enumerate(cache.pages[b]):
+            lo, hi = j * P, min((j + 1) * P, n)
+            if hi <= first:
+                continue
+            if j < cache.compressed_counts[b]:
+                if lo >= first:
+                    for name in cache.tensor_names():
+                        hz.poison_(cache.pools[name][pid])
+            else:
+                for name in ("rk", "rv"):
+                    hz.poison_(cache.pools[name][pid, :, max(first, lo) - lo:])
+
+
 def run_prefill(case: hz.Case, lengths, qlens, *, config=None, seed=0, window=0, softcap=0.0, q_scale=1.0,
-                dev=None, q=None):
+                dev=None, q=None, fresh=False, strided=False):
     """Build a cache (deterministic in ``seed``), launch prefill into a poisoned output.
 
     Returns (out, reference float64, reference_fn); ``q`` defaults to random queries.
+    ``fresh``: pass the chunks' exact K/V as k_new/v_new (``strided``: as strided
+    views) after poisoning the pages only the chunks use; the reference then
+    attends [dequantized prefix ; exact chunk].
 
     ``reference_fn(window=..., softcap=...)`` recomputes the reference on the same cache and queries.
     """
@@ -76,26 +139,32 @@ def run_prefill(case: hz.Case, lengths, qlens, *, config=None, seed=0, window=0,
     if q is None:
         q = hz.random_q(sum(qlens), hq, case.head_dim, torch.float32, "cpu", seed=seed + 1) * q_scale
         q = q.to(case.dtype).to(dev)
+    kw, ks, vs = {}, cache.ks, cache.vs
+    if fresh:
+        kw["k_new"], kw["v_new"] = fresh_kv(cache, qlens, strided)
+        ks, vs = fresh_seen(cache, qlens)
+        poison_chunks(cache, qlens)
     out = hz.poisoned_like(q)
     cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32).to(dev)
     sm_scale = 1.0 / math.sqrt(case.head_dim)
     mod.launch(q, out, cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, cu,
-               max([0, *qlens]), sm_scale, config=config)
+               max([0, *qlens]), sm_scale, config=config, **kw)
     positions = [list(range(n - ql, n)) for n, ql in zip(lengths, qlens)]
 
     def reference_fn(window=0, softcap=0.0):
-        return _reference(q, cache, positions, window, softcap, sm_scale)
+        return _reference(q, ks, vs, positions, window, softcap, sm_scale)
 
     return out, reference_fn(window, softcap), reference_fn
 
 
-def _reference(q, cache, positions, window, softcap, sm_scale):
+def _reference(q, ks, vs, positions, window, softcap, sm_scale):
     # One KV head's query group at a time: the float64 logits stay small at real sizes.
-    G = q.shape[1] // cache.num_kv_heads
+    H = ks[0].shape[0]
+    G = q.shape[1] // H
     parts = []
-    for h in range(cache.num_kv_heads):
-        parts.append(hz.reference_attention(q[:, h * G:(h + 1) * G], [k[h:h + 1] for k in cache.ks],
-                                            [v[h:h + 1] for v in cache.vs], positions, window=window,
+    for h in range(H):
+        parts.append(hz.reference_attention(q[:, h * G:(h + 1) * G], [k[h:h + 1] for k in ks],
+                                            [v[h:h + 1] for v in vs], positions, window=window,
                                             softcap=softcap, sm_scale=sm_scale))
     return torch.cat(parts, dim=1)
 
@@ -134,8 +203,9 @@ def test_prefill_matrix(case):
     lengths = case_lengths(case)
     qlens = chunk_lens(lengths, case.get("chunk"), case.page_size)
     config = small_tiles(case) if case.get("tiles") == "small" else None
-    out, ref, _ = run_prefill(case, lengths, qlens, config=config, seed=case.head_dim + case.gqa)
-    check(case, out, ref, f"lengths {lengths}, qlens {qlens}")
+    out, ref, _ = run_prefill(case, lengths, qlens, config=config, seed=case.head_dim + case.gqa,
+                              fresh=case.get("kv") == "fresh")
+    check(case, out, ref, f"lengths {lengths}, qlens {qlens}, kv {case.get('kv')}")
 
 
 @pytest.mark.slow
@@ -143,8 +213,9 @@ def test_prefill_matrix(case):
 def test_prefill_matrix_full(case):
     lengths = case_lengths(case)
     qlens = chunk_lens(lengths, case.get("chunk"), case.page_size)
-    out, ref, _ = run_prefill(case, lengths, qlens, seed=case.head_dim + case.gqa + case.page_size)
-    check(case, out, ref, f"lengths {lengths}, qlens {qlens}")
+    out, ref, _ = run_prefill(case, lengths, qlens, seed=case.head_dim + case.gqa + case.page_size,
+                              fresh=case.get("kv") == "fresh")
+    check(case, out, ref, f"lengths {lengths}, qlens {qlens}, kv {case.get('kv')}")
 
 
 @pytest.mark.parametrize("scheme", hz.scheme_matrix())
@@ -179,24 +250,76 @@ def test_prefill_append_matches_prefill(scheme):
     assert hz.rel_l2(out, out_full[rows.to(out_full.device)]) <= hz.tolerance(case.scheme_obj, case.dtype)
 
 
+def _boundary_batch(case: hz.Case) -> tuple[list[int], list[int]]:
+    """(lengths, qlens) of a ragged batch of fresh chunks at page boundaries.
+
+    Chunks of 1, page-1, page and page+1 tokens after prefixes that end mid-page
+    or on a page boundary; a whole prompt longer than the residual window (its
+    first pages are compressed: the chunk's own tokens sit in both pools); a
+    long prefix with compressed pages and a 2-token chunk; an idle sequence.
+    """
+    P, w = case.page_size, hz.residual_window(case.scheme_obj)
+    prefix = [5, P + 3, 2 * P, 3, 0, w + P + 7, 9]
+    qlens = [1, P - 1, P, P + 1, w + 2 * P + 1, 2, 0]
+    return [a + b for a, b in zip(prefix, qlens)], qlens
+
+
 @pytest.mark.parametrize("scheme", hz.scheme_matrix())
-@pytest.mark.parametrize("tiles", ["default", "small"])
-def test_prefill_sliding_window(scheme, tiles):
+def test_prefill_fresh_chunk_boundaries(scheme):
+    """k_new/v_new: each chunk attends its own tokens exactly and its prefix from the pages, at page boundaries."""
+    case = _one_case(scheme, gqa=2, num_kv_heads=2)
+    lengths, qlens = _boundary_batch(case)
+    out, ref, _ = run_prefill(case, lengths, qlens, config=small_tiles(case), seed=17, fresh=True)
+    check(case, out, ref, f"fresh chunks, lengths {lengths}, qlens {qlens}")
+
+
+QUANTIZED = ("int8", "fp8", "int4", "int2")  # two per-token and two residual schemes
+
+
+@pytest.mark.parametrize("scheme", [p for p in hz.scheme_matrix() if p.values[0] in QUANTIZED])
+def test_prefill_fresh_differs_from_pages(scheme):
+    """The fresh path is really taken: with k_new/v_new the output leaves the all-from-pages answer.
+
+    The first chunk starts mid-page and is longer than the residual window, so
+    some of its own tokens are compressed in the pages; the fresh output must
+    match [dequantized prefix ; exact chunk] and differ from the pages' answer
+    by about as much as the two references differ (k_new/v_new passed as
+    strided views). float32 on the CPU, so the kernel's own error (~1e-7) is
+    far below the quantization error int8 adds (a few 1e-3).
+    """
+    case = _one_case(scheme, gqa=2, num_kv_heads=2, dtype=torch.float32 if hz.on_cpu() else None)
+    P, w = case.page_size, hz.residual_window(case.scheme_obj)
+    lengths = [w + 3 * P + 5, 2 * P + 7]
+    qlens = [w + 2 * P + 1, P + 2]
+    tol = hz.tolerance(case.scheme_obj, case.dtype)
+    out_p, ref_p, _ = run_prefill(case, lengths, qlens, config=small_tiles(case), seed=19)
+    check(case, out_p, ref_p, "all keys from the pages")
+    out_f, ref_f, _ = run_prefill(case, lengths, qlens, config=small_tiles(case), seed=19, fresh=True, strided=True)
+    check(case, out_f, ref_f, "chunk from k_new/v_new")
+    apart = hz.rel_l2(ref_f, ref_p)
+    assert apart > tol, f"the case does not separate the two key sources ({apart:.1e})"
+    moved = hz.rel_l2(out_f, out_p)
+    assert moved > 0.5 * apart, f"k_new/v_new barely changed the output ({moved:.1e} vs {apart:.1e}): not used?"
+
+
+@pytest.mark.parametrize("scheme", hz.scheme_matrix())
+@pytest.mark.parametrize("tiles, kv", [("default", "pages"), ("small", "pages"), ("small", "fresh")])
+def test_prefill_sliding_window(scheme, tiles, kv):
     case = _one_case(scheme, gqa=4, num_kv_heads=1)
     window = 2 * case.page_size + 5
     lengths = _long_lengths(case) + [window - 1, window + 1]
     qlens = [lengths[0], 1, 9, lengths[3], window - 1, 3]
     cfg = small_tiles(case) if tiles == "small" else None
-    out, ref, reference = run_prefill(case, lengths, qlens, window=window, config=cfg, seed=5)
-    check(case, out, ref, f"window {window}")
+    out, ref, reference = run_prefill(case, lengths, qlens, window=window, config=cfg, seed=5, fresh=kv == "fresh")
+    check(case, out, ref, f"window {window}, kv {kv}")
     # the window must matter: full attention gives a different answer
     full_ref = reference(window=0)
     assert hz.rel_l2(full_ref, ref) > 10 * hz.tolerance(case.scheme_obj, case.dtype)
 
 
 @pytest.mark.parametrize("scheme", hz.scheme_matrix())
-@pytest.mark.parametrize("window", [0, 7])
-def test_prefill_softcap(scheme, window):
+@pytest.mark.parametrize("window, kv", [(0, "pages"), (7, "pages"), (7, "fresh")])
+def test_prefill_softcap(scheme, window, kv):
     case = _one_case(scheme, gqa=4, num_kv_heads=1)
     softcap = 2.0
     lengths = _long_lengths(case)
@@ -204,8 +327,8 @@ def test_prefill_softcap(scheme, window):
     cfg = small_tiles(case)
     # large logits so the cap bites
     out, ref, reference = run_prefill(case, lengths, qlens, softcap=softcap, window=window, q_scale=6.0, config=cfg,
-                                      seed=7)
-    check(case, out, ref, f"softcap {softcap}, window {window}")
+                                      seed=7, fresh=kv == "fresh")
+    check(case, out, ref, f"softcap {softcap}, window {window}, kv {kv}")
     uncapped = reference(window=window)
     assert hz.rel_l2(uncapped, ref) > 10 * hz.tolerance(case.scheme_obj, case.dtype)
 
@@ -270,6 +393,13 @@ def test_prefill_rejects_bad_inputs():
         mod.launch(q, torch.empty_like(q), *args, cu, 5, 0.1, config={"block_m": 12})
     with pytest.raises(KeyError):
         mod.launch(q, torch.empty_like(q), {}, *args[1:], cu, 5, 0.1)
+    kv = torch.zeros(5, case.num_kv_heads, case.head_dim, dtype=case.dtype)
+    with pytest.raises(ValueError, match="both"):
+        mod.launch(q, torch.empty_like(q), *args, cu, 5, 0.1, k_new=kv)
+    with pytest.raises(ValueError, match="k_new"):
+        mod.launch(q, torch.empty_like(q), *args, cu, 5, 0.1, k_new=kv[:4], v_new=kv[:4])
+    with pytest.raises(TypeError, match="v_new"):
+        mod.launch(q, torch.empty_like(q), *args, cu, 5, 0.1, k_new=kv, v_new=kv.double())
 
 
 # --------------------------------------------------------------------------- GPU (real sizes, bfloat16)
@@ -298,6 +428,8 @@ def test_prefill_gpu_real_size(scheme, chunk):
     for c in cands[:: max(1, len(cands) // 4)]:
         out, ref, _ = run_prefill(case, lengths, qlens, config=c, dev="cuda")
         check(case, out, ref, f"candidate {c}")
+    out, ref, _ = run_prefill(case, lengths, qlens, dev="cuda", fresh=True)
+    check(case, out, ref, "default config, chunk from k_new/v_new")
 
 
 @pytest.mark.gpu
@@ -314,11 +446,14 @@ def test_prefill_gpu_no_host_sync(scheme):
     cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32, device="cuda")
     args = (q, out, cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, cu, max(qlens),
             case.head_dim ** -0.5)
+    k_new, v_new = fresh_kv(cache, qlens)
     mod.launch(*args)  # compile outside the check
+    mod.launch(*args, k_new=k_new, v_new=v_new)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         mod.launch(*args)
+        mod.launch(*args, k_new=k_new, v_new=v_new)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
