@@ -16,7 +16,12 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 [ -d plugins/kvgen-nuq ] && python3 -m pip install -q --no-deps --no-build-isolation -e plugins/kvgen-nuq >>"$OUT/install.log" 2>&1
 python3 -m kvgen.cli schemes
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout ${KVGEN_GPU_TEST_TIMEOUT:-420} python3 -m pytest -m gpu -q -p no:cacheprovider -x -o addopts="" -m gpu tests 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25
+  # The GPU tests are bound by Triton compiles (CPU work): spread them over
+  # pytest-xdist workers when the machine has it, one process otherwise.
+  par=""; python3 -c "import xdist" 2>/dev/null && par="-n ${KVGEN_GPU_TEST_WORKERS:-12}"
+  timeout ${KVGEN_GPU_TEST_TIMEOUT:-420} python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -v -rfE \
+    --tb=short tests >"$OUT/pytest-gpu.log" 2>&1
+  grep -E "^(FAILED|ERROR)|(passed|failed|error)[^a-z]*in [0-9.]+s" "$OUT/pytest-gpu.log" | tail -20
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"

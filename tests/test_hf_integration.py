@@ -13,6 +13,7 @@ equal a pure-torch simulation of the same int8 cache.
 
 from __future__ import annotations
 
+import copy
 import gc
 import inspect
 import math
@@ -273,12 +274,20 @@ def test_gpu_bfloat16_generate_matches_hf(model_dir, tok):
     for model in models:
         vocab = model.config.vocab_size
         ids = torch.randint(3, vocab, (2, 40), generator=torch.Generator().manual_seed(1)).cuda()
-        ref = greedy(model, ids, 8)
+        with torch.no_grad():
+            # float32 weights and cache (before attach): what both bfloat16 paths approximate
+            ref_model = copy.deepcopy(model).float()
+            ref = ref_model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits.double()
+            del ref_model
+            b = model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits.double()
+        ref_tokens = greedy(model, ids, 8)
         attach(model, scheme="bf16", device="cuda")
         out = greedy(model, ids, 8)
-        assert out[:, :ids.shape[1] + 4].tolist() == ref[:, :ids.shape[1] + 4].tolist()
+        assert out[:, :ids.shape[1] + 4].tolist() == ref_tokens[:, :ids.shape[1] + 4].tolist()
         with torch.no_grad():
-            cache = KvgenCache(runtime_of(model))
-            a = model(ids, past_key_values=cache, use_cache=True).logits.float()
-            b = model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits.float()
-        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
+            a = model(ids, past_key_values=KvgenCache(runtime_of(model)), use_cache=True).logits.double()
+        # bf16 rounding differs between two correct attention kernels, so logits are not
+        # compared elementwise: kvgen's bf16 error against float32 must be about HF's own.
+        err_kvgen = float((a - ref).norm() / ref.norm())
+        err_hf = float((b - ref).norm() / ref.norm())
+        assert err_kvgen <= 1.5 * err_hf + 1e-3, (err_kvgen, err_hf)

@@ -75,7 +75,8 @@ def test_cache_write(case):
     v = torch.randn(n, H, D, generator=gen).to(case.dtype)
 
     mod = hz.load_op("cache_write", s, D, H, case.gqa, P, case.dtype, dev=dev)
-    mod.launch(k.to(dev), v.to(dev), pool, slot_mapping.to(dev))
+    # 3 tokens per program: 29 rows leave a partial last program, and skipped rows sit inside programs
+    mod.launch(k.to(dev), v.to(dev), pool, slot_mapping.to(dev), config={"tokens_per_program": 3})
 
     written = {int(x) for x in slots}
     by_page: dict[int, list[tuple[int, int]]] = {}
@@ -176,11 +177,18 @@ def check_dequant(case: hz.Case, dev: str) -> None:
     mod = hz.load_op("dequant", s, D, H, case.gqa, P, case.dtype, dev=dev)
     mod.launch(cache.pools, pages_t.to(dev), k_out, v_out)
     names = cache.tensor_names()
+    # On the GPU, code * scale + zero is one fused multiply-add (torch rounds twice), so a value
+    # sitting on a rounding boundary of the output dtype may land one ulp away: allow one ulp there,
+    # but nearly every element must still be bit-equal.
+    one_ulp = torch.finfo(case.dtype).eps if dev != "cpu" else 1e-5
+    inexact = 0
     for i, pid in enumerate(pages_t.tolist()):
         want_k, want_v = s.dequantize_page(_page(cache.pools, names, pid), D)
-        # unwritten slots of a partial last page dequantize to NaN in both (poison)
-        torch.testing.assert_close(k_out[i].cpu(), want_k.to(case.dtype), equal_nan=True, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(v_out[i].cpu(), want_v.to(case.dtype), equal_nan=True, rtol=1e-5, atol=1e-6)
+        for got, want in ((k_out[i].cpu(), want_k.to(case.dtype)), (v_out[i].cpu(), want_v.to(case.dtype))):
+            # unwritten slots of a partial last page dequantize to NaN in both (poison)
+            torch.testing.assert_close(got, want, equal_nan=True, rtol=one_ulp, atol=1e-6)
+            inexact += int(((got != want) & ~(got.isnan() & want.isnan())).sum())
+    assert inexact <= 1e-3 * 2 * k_out.numel(), f"{inexact} dequantized elements differ from the reference"
     # the tokens a sequence holds are exactly what the decode reference sees
     b0 = cache.pages[0][: cache.compressed_counts[0]]
     first = pages_t.tolist().index(b0[0])
