@@ -143,6 +143,8 @@ def best_config(mod, run, batch, length):
             results.append((bench(lambda: run(cfg), rep_ms=60), cfg))
         except Exception as exc:  # a candidate that does not compile (registers, smem) is skipped
             print(f"    candidate {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+    if not results:
+        raise RuntimeError("no tuning candidate ran")
     ms, cfg = min(results, key=lambda r: r[0])
     return bench(lambda: run(cfg)), cfg, results
 
@@ -198,7 +200,11 @@ def write_records(schemes, copy_bw, log):
             pools = allocate_pool(tensors, pages, Hkv, torch.bfloat16, "cuda")
             k = torch.randn(N, Hkv, D, device="cuda", dtype=torch.bfloat16)
             v = torch.randn_like(k)
-            slots = torch.randperm(pages * PAGE, device="cuda")[:N].long()
+            if N == 32:  # a decode step: one token of each of 32 sequences, anywhere in the pool
+                slots = torch.randperm(pages * PAGE, device="cuda")[:N].long()
+            else:  # a prompt: consecutive slots of its own pages, the pages scattered over the pool
+                own = torch.randperm(pages, device="cuda")[: N // PAGE]
+                slots = (own[:, None] * PAGE + torch.arange(PAGE, device="cuda")[None, :]).flatten().long()
             written = sum(pools[t["name"]][0].numel() * pools[t["name"]].element_size() for t in tensors) / PAGE * N
             nbytes = 2 * k.numel() * k.element_size() + written + slots.numel() * 8
             ms = bench(lambda: mod.launch(k, v, pools, slots))
@@ -210,18 +216,31 @@ def write_records(schemes, copy_bw, log):
 
 
 def prefill_records(schemes, copy_bw, log):
+    """Causal prefill of B=4 prompts of 8192 tokens vs SDPA (flash) on contiguous tensors.
+
+    "pages": every key read through the block table from the scheme's pages (a chunk
+    whose K/V are already cached, e.g. after a prefix-cache hit). "fresh" (bf16 only):
+    the prompt's own K/V passed as k_new/v_new, as KVCache.prefill(layer, q, k, v) runs a
+    new prompt; there is no cached prefix, so no page is read.
+    """
     records = []
     B, L, Hq, Hkv, D = 4, 8192, 64, 8, 128
-    for name in schemes:
+    variants = [(name, "pages") for name in schemes] + ([("bf16", "fresh")] if "bf16" in schemes else [])
+    for name, kv in variants:
         mod, scheme = kernel_module("prefill", name, Hkv, Hq // Hkv, D)
         case = DecodeCase(scheme, B, L, Hq, Hkv, D)
         q = torch.randn(B * L, Hq, D, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(q)
         cu = torch.arange(0, B + 1, device="cuda", dtype=torch.int32) * L
         flops = 4 * B * Hq * D * L * L / 2
+        fresh = {}
+        if kv == "fresh":
+            fresh = {"k_new": case.k_raw.transpose(1, 2).reshape(B * L, Hkv, D),
+                     "v_new": case.v_raw.transpose(1, 2).reshape(B * L, Hkv, D)}
 
         def run(cfg):
-            mod.launch(q, out, case.pools, case.block_tables, case.seq_lens, case.num_compressed, cu, L, 1 / math.sqrt(D), cfg)
+            mod.launch(q, out, case.pools, case.block_tables, case.seq_lens, case.num_compressed, cu, L, 1 / math.sqrt(D),
+                       cfg, **fresh)
 
         ms, cfg, _ = best_config(mod, run, B, L)
         qs = q.view(B, L, Hq, D).transpose(1, 2)
@@ -229,7 +248,7 @@ def prefill_records(schemes, copy_bw, log):
         sdpa_ms = bench(lambda: f(qs, case.k_raw, case.v_raw, is_causal=True, enable_gqa=True))
         rec = dict(op="prefill", scheme=name, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, page_size=PAGE, ms=ms, bytes=case.bytes,
                    bw_fraction=None, sdpa_ms=sdpa_ms, tflops=flops / (ms * 1e-3) / 1e12,
-                   ratio_to_sdpa_throughput=sdpa_ms / ms, rel_error=None, config=cfg)
+                   ratio_to_sdpa_throughput=sdpa_ms / ms, rel_error=None, config=cfg, note=f"kv from {kv}")
         log(rec)
         records.append(rec)
         del case
@@ -341,14 +360,17 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s on {gpu}", flush=True)
     records = []
     ops = args.ops.split(",")
-    if "decode" in ops:
-        records += decode_records(schemes, shapes, copy_bw, log)
-    if "write" in ops:
-        records += write_records(schemes, copy_bw, log)
-    if "prefill" in ops:
-        records += prefill_records([s for s in schemes if s in ("bf16", "int8", "int4")], copy_bw, log)
-    if "compile" in ops:
-        records += compile_records(log)
+    steps = {"decode": lambda: decode_records(schemes, shapes, copy_bw, log),
+             "write": lambda: write_records(schemes, copy_bw, log),
+             "prefill": lambda: prefill_records([s for s in schemes if s in ("bf16", "int8", "int4")], copy_bw, log),
+             "compile": lambda: compile_records(log)}
+    for op, step in steps.items():
+        if op in ops:
+            try:
+                records += step()
+            except Exception as exc:  # one failing op must not cost the others' numbers
+                print(f"{op} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    records = done  # every logged record, those of an op that failed part-way included
     (out_dir / "results.json").write_text(json.dumps(dict(header, records=records), indent=1, default=str) + "\n")
     plot(records, out_dir / "bandwidth.png")
     print(f"\n{gpu}, torch {torch.__version__}, triton {triton.__version__}, copy bandwidth {copy_bw / 1e12:.3f} TB/s, {date}")
