@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp] [bench args...]
+# tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
+# NCCL test; carry .shared (a copy of ../shared, which does not travel) for stories260K.
 set -uo pipefail
 what="${1:-all}"; shift || true
 OUT="${OUT:-/tmp/kvgen-out}"; mkdir -p "$OUT"
@@ -22,6 +24,14 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${KVGEN_GPU_TEST_TIMEOUT:-420} python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -v -rfE \
     --tb=short tests >"$OUT/pytest-gpu.log" 2>&1
   grep -E "^(FAILED|ERROR)|(passed|failed|error)[^a-z]*in [0-9.]+s" "$OUT/pytest-gpu.log" | tail -20
+fi
+if [ "$what" = tp ]; then
+  [ -d ../shared/data ] || { [ -d .shared/data ] && ln -sfn "$PWD/.shared" ../shared; }  # where the tests look
+  python3 -m benchmarks.tp_scaling --out "$OUT/tp" "$@" 2>"$OUT/tp-stderr.log" | tee "$OUT/tp.log"
+  tail -5 "$OUT/tp-stderr.log"
+  timeout ${KVGEN_TP_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -v -rfEs \
+    --tb=short tests/test_tensor_parallel.py >"$OUT/pytest-tp.log" 2>&1
+  tail -3 "$OUT/pytest-tp.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"

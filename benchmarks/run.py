@@ -63,34 +63,35 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 class DecodeCase:
     """Random K/V for B sequences of L tokens in one scheme's pages, shuffled page ids."""
 
-    def __init__(self, scheme, B, L, Hq, Hkv, D, dtype=torch.bfloat16, seed=0):
+    def __init__(self, scheme, B, L, Hq, Hkv, D, dtype=torch.bfloat16, seed=0, device="cuda"):
         from kvgen.runtime.pools import allocate_pool
 
-        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.device = device = torch.device(device)
+        g = torch.Generator(device=device).manual_seed(seed)
         self.B, self.L, self.Hq, self.Hkv, self.D = B, L, Hq, Hkv, D
         pages_per_seq = L // PAGE
         num_pages = B * pages_per_seq
         tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in scheme.page_tensors(D, PAGE)]
-        self.pools = allocate_pool(tensors, num_pages, Hkv, dtype, "cuda")
+        self.pools = allocate_pool(tensors, num_pages, Hkv, dtype, device)
         nc = scheme.compressed_pages(L, PAGE)
         n_res = pages_per_seq - nc  # residual schemes keep each sequence's tail pages in the compute dtype
         self.pools.update(allocate_pool([{"name": "rk", "dtype": "compute", "shape": [PAGE, D]},
                                          {"name": "rv", "dtype": "compute", "shape": [PAGE, D]}],
-                                        max(1, B * n_res), Hkv, dtype, "cuda"))
-        perm = torch.randperm(num_pages, device="cuda", generator=g).to(torch.int32)
+                                        max(1, B * n_res), Hkv, dtype, device))
+        perm = torch.randperm(num_pages, device=device, generator=g).to(torch.int32)
         self.block_tables = perm.view(B, pages_per_seq).contiguous()
         if n_res:
-            self.block_tables[:, nc:] = torch.arange(B * n_res, device="cuda", dtype=torch.int32).view(B, n_res)
-        self.seq_lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-        self.num_compressed = torch.full((B,), nc, dtype=torch.int32, device="cuda")
-        self.q = torch.randn(B, Hq, D, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+            self.block_tables[:, nc:] = torch.arange(B * n_res, device=device, dtype=torch.int32).view(B, n_res)
+        self.seq_lens = torch.full((B,), L, dtype=torch.int32, device=device)
+        self.num_compressed = torch.full((B,), nc, dtype=torch.int32, device=device)
+        self.q = torch.randn(B, Hq, D, generator=g, device=device, dtype=torch.float32).to(dtype)
         # Quantize chunk by chunk (all heads of a page are independent rows for every scheme).
-        self.k_raw = torch.empty(B, Hkv, L, D, dtype=dtype, device="cuda")
+        self.k_raw = torch.empty(B, Hkv, L, D, dtype=dtype, device=device)
         self.v_raw = torch.empty_like(self.k_raw)
         self.bytes = 0
         for b in range(B):
-            k = torch.randn(Hkv, L, D, generator=g, device="cuda")
-            v = torch.randn(Hkv, L, D, generator=g, device="cuda")
+            k = torch.randn(Hkv, L, D, generator=g, device=device)
+            v = torch.randn(Hkv, L, D, generator=g, device=device)
             self.k_raw[b], self.v_raw[b] = k.to(dtype), v.to(dtype)
             kp = k.view(Hkv, pages_per_seq, PAGE, D).transpose(0, 1)[:nc].reshape(-1, PAGE, D)
             vp = v.view(Hkv, pages_per_seq, PAGE, D).transpose(0, 1)[:nc].reshape(-1, PAGE, D)
@@ -111,7 +112,7 @@ class DecodeCase:
         """float32 attention over the unquantized K/V (what a user compares against)."""
         G = self.Hq // self.Hkv
         q = self.q.float().view(self.B, self.Hkv, G, self.D)
-        out = torch.empty(self.B, self.Hkv, G, self.D, device="cuda")
+        out = torch.empty(self.B, self.Hkv, G, self.D, device=self.device)
         for b in range(self.B):
             s = torch.einsum("hgd,hld->hgl", q[b], self.k_raw[b].float()) / math.sqrt(self.D)
             out[b] = torch.einsum("hgl,hld->hgd", s.softmax(-1), self.v_raw[b].float())

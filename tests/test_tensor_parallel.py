@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU: gloo ranks generate exactly what one process generates."""
+"""Tensor parallelism: gloo ranks on the CPU (NCCL ranks on two GPUs) generate exactly what one process generates."""
 
 import json
 import os
@@ -21,7 +21,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _generate(model_dir: str, rank: int, world: int, cache_dir: str) -> list[int]:
+def _generate(model_dir: str, rank: int, world: int, cache_dir: str, device: str = "cpu") -> list[int]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvgen.integrations.tensor_parallel import shard_model
@@ -31,19 +31,28 @@ def _generate(model_dir: str, rank: int, world: int, cache_dir: str) -> list[int
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     shard_model(model, rank, world)
-    attach(model, scheme="fp32", max_tokens=1024, autotune=False, tp_rank=rank, tp_size=world)
-    ids = tok(PROMPT, return_tensors="pt").input_ids
+    model.to(device)
+    attach(model, scheme="fp32", max_tokens=1024, autotune=False, tp_rank=rank, tp_size=world, device=device)
+    ids = tok(PROMPT, return_tensors="pt").input_ids.to(device)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
     return out[0, ids.shape[1]:].tolist()
 
 
-def _rank_main(rank: int, world: int, port: int, model_dir: str, out_file: str, cache_dir: str) -> None:
-    os.environ["TRITON_INTERPRET"] = "1"
+def _rank_main(rank: int, world: int, port: int, model_dir: str, out_file: str, cache_dir: str,
+               backend: str = "gloo", device: str = "cpu") -> None:
+    """One rank: gloo on the CPU (Triton interpreter), or NCCL with rank r on cuda:r."""
+    kwargs = {}
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+        kwargs["device_id"] = torch.device(device)
     os.environ["KVGEN_CACHE_DIR"] = cache_dir
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kwargs)
     try:
-        tokens = _generate(model_dir, rank, world, cache_dir)
+        tokens = _generate(model_dir, rank, world, cache_dir, device)
         gathered = [None] * world
         dist.all_gather_object(gathered, tokens)
         if rank == 0:
@@ -82,6 +91,25 @@ def test_tp1_matches_hf_default_cache(shared_data, single_process_tokens):
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
     assert single_process_tokens == ref
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs 2 CUDA GPUs and compiled (not interpreted) kernels")
+def test_nccl_generate_matches_tp1(shared_data, tmp_path, monkeypatch):
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                        ("NVSHMEM_DISABLE_NVLS", "1")):
+        if name not in os.environ:  # never NVLink multicast
+            monkeypatch.setenv(name, value)
+    model_dir = str(shared_data / "models" / "stories260K")
+    cache = str(tmp_path / "cache")
+    single = _generate(model_dir, 0, 1, cache, "cuda:0")  # tp=1 on one GPU, float32
+    out_file = tmp_path / "tokens.json"
+    mp.spawn(_rank_main, args=(2, _free_port(), model_dir, str(out_file), cache, "nccl", "cuda"), nprocs=2, join=True)
+    per_rank = json.loads(out_file.read_text())
+    assert len(single) == NEW_TOKENS and len(per_rank) == 2
+    for tokens in per_rank:
+        assert tokens == single
 
 
 def test_head_shard_split_and_replicate():

@@ -1,0 +1,564 @@
+"""Tensor parallelism on several GPUs: NCCL equivalence and decode scaling, one command, one folder.
+
+    python -m benchmarks.tp_scaling [--gpus N] [--out DIR]
+    TRITON_INTERPRET=1 python -m benchmarks.tp_scaling --backend gloo --device cpu --gpus 2 --out /tmp/tp_smoke
+
+Spawns N ranks (torch.multiprocessing; rank r on cuda:r, NCCL; or gloo on the
+CPU with the Triton interpreter, a smoke test whose timings mean nothing) and:
+
+a. equivalence: greedy ``generate()`` through kvgen with tp=1 (one process)
+   and with tp=N (``shard_model`` + ``attach(tp_rank=, tp_size=)``):
+   stories260K in float32 (expected: token for token) and, on CUDA, in
+   bfloat16, and a random-weight Llama at a per-GPU-realistic shape (64/8
+   heads, D=128, hidden 8192, 2 layers) in bfloat16. bfloat16 records the
+   matching tokens and the logits' relative error against tp=1 rather than
+   expecting equality (the all-reduce sums partial products in another
+   order). Writes ``equivalence.json``.
+b. decode scaling: the generated decode kernel at the Llama-3-70B attention
+   shape (64 query / 8 KV heads, D=128, page 16) for B=32 sequences of
+   L=4096 tokens, the same total batch for every tp, each rank holding
+   Hq/tp and Hkv/tp heads. Every rank tunes over a short list of the
+   kernel's candidates (the config with the lowest time on the slowest rank
+   wins), then all ranks time it together after a barrier (median of
+   triton.testing.do_bench on each); the step time is the slowest rank's.
+   Writes ``tp_scaling.json`` (gpu, torch, triton, date, records) and prints
+   the table last.
+
+Each part keeps going when the other fails (its error is recorded in its
+JSON); a part that outlives its deadline is stopped and keeps the records it
+had written. Default output: ``benchmarks/results/<date>-<gpu>-x<N>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import re
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_DIRS = [REPO.parent / "shared" / "data" / "models" / "stories260K",
+              REPO / ".shared" / "data" / "models" / "stories260K",
+              REPO / "shared" / "data" / "models" / "stories260K"]
+PROMPT = "Once upon a time, there was a little"
+# Never let NCCL or PyTorch use NVLink multicast (it can take a shared host's GPUs down).
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+SHAPE = dict(B=32, L=4096, Hq=64, Hkv=8, D=128)  # Llama-3-70B attention, ../shared/ANCHORS.md's first shape
+QUICK_SHAPE = dict(B=2, L=64, Hq=64, Hkv=8, D=128)
+# Compiled variants tried (pages per tile, warps, stages), every split count of candidates() for each:
+# a handful of compiles per kernel instead of a dozen (the H200 sweep's best were among these).
+TUNE_VARIANTS = {(8, 4, 2), (4, 4, 2)}
+CPU_NOTE = "CPU (Triton interpreter) smoke run: the timings below mean nothing"
+
+
+# --------------------------------------------------------------------------- plumbing
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup(rank: int, world: int, opts: dict) -> torch.device:
+    """Environment, device and process group of one rank."""
+    import datetime
+
+    import torch.distributed as dist
+
+    for k, v in SAFE_ENV.items():
+        os.environ.setdefault(k, v)
+    if opts["device"] == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+        dev = torch.device("cpu")
+    else:
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+    kwargs = {"device_id": dev} if opts["backend"] == "nccl" else {}
+    dist.init_process_group(opts["backend"], init_method=f"tcp://127.0.0.1:{opts['port']}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=opts["pg_timeout"]), **kwargs)
+    return dev
+
+
+def _barrier(opts: dict, rank: int) -> None:
+    import torch.distributed as dist
+
+    if opts["backend"] == "nccl":
+        dist.barrier(device_ids=[rank])
+    else:
+        dist.barrier()
+
+
+def _gather(obj):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _err(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:400]}"
+
+
+def _header(opts: dict, world: int) -> dict:
+    import triton
+    import transformers
+
+    gpu = torch.cuda.get_device_name() if opts["device"] == "cuda" else "cpu"
+    return dict(gpu=gpu, gpus=world, torch=torch.__version__, triton=triton.__version__,
+                transformers=transformers.__version__, date=dt.date.today().isoformat(), backend=opts["backend"],
+                device=opts["device"], command=opts["command"],
+                note=CPU_NOTE if opts["device"] == "cpu" else None)
+
+
+def _write(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _spawn(fn, world: int, opts: dict, deadline_s: float) -> str | None:
+    """Run fn(rank, world, opts) on ``world`` spawned ranks; None, or why they did not all finish."""
+    import torch.multiprocessing as mp
+
+    opts = dict(opts, port=_free_port())
+    ctx = mp.start_processes(fn, args=(world, opts), nprocs=world, join=False, start_method="spawn")
+    end = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > end:
+                for p in ctx.processes:  # only the ranks started here
+                    if p.is_alive():
+                        p.terminate()
+                for p in ctx.processes:
+                    p.join(10)
+                    if p.is_alive():
+                        p.kill()
+                return f"stopped after its {deadline_s:.0f} s deadline"
+    except Exception as exc:  # a rank raised or died
+        return _err(exc)
+    return None
+
+
+# --------------------------------------------------------------------------- a. equivalence
+
+
+def _equiv_cases(opts: dict) -> list[dict]:
+    stories = dict(kind="stories", model=opts["model_dir"])
+    if opts["device"] == "cpu":
+        return [dict(stories, name="stories260K fp32", dtype="float32", scheme="fp32", expect="exact"),
+                dict(kind="random", name="random Llama (tiny) fp32", dtype="float32", scheme="fp32", expect="exact",
+                     model="random", config=dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
+                                                 head_dim=32, num_hidden_layers=2, intermediate_size=512,
+                                                 vocab_size=256, max_position_embeddings=2048,
+                                                 initializer_range=0.05))]
+    return [dict(stories, name="stories260K fp32", dtype="float32", scheme="fp32", expect="exact"),
+            dict(stories, name="stories260K bf16", dtype="bfloat16", scheme="bf16", expect="record"),
+            dict(kind="random", name="random Llama 64/8 D128 h8192 bf16", dtype="bfloat16", scheme="bf16",
+                 expect="record", model="random",
+                 config=dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                             num_hidden_layers=2, intermediate_size=2048, vocab_size=1024,
+                             max_position_embeddings=4096, initializer_range=0.05))]
+
+
+def _generate_case(case: dict, rank: int, world: int, dev: torch.device, new_tokens: int) -> dict:
+    """Greedy tokens and raw logits of one model, sharded for (rank, world), through kvgen."""
+    import gc
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from kvgen.integrations.tensor_parallel import shard_model
+    from kvgen.integrations.transformers import attach
+
+    hf_logging.disable_progress_bar()
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    if case["kind"] == "stories":
+        tok = AutoTokenizer.from_pretrained(case["model"])
+        model = AutoModelForCausalLM.from_pretrained(case["model"], dtype=torch.float32).eval()
+        ids = tok(PROMPT, return_tensors="pt").input_ids
+    else:  # the same seeded float32 init on every rank, then this rank's shard
+        model = LlamaForCausalLM(LlamaConfig(**case["config"])).eval()
+        ids = torch.randint(3, case["config"]["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(1))
+    shard_model(model, rank, world)
+    model.to(device=dev, dtype=getattr(torch, case["dtype"]))
+    attach(model, scheme=case["scheme"], max_tokens=1024, autotune=False, tp_rank=rank, tp_size=world, device=dev)
+    with torch.no_grad():
+        # min_new_tokens: an end-of-text token must not cut one run short of the other
+        out = model.generate(ids.to(dev), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True)
+    tokens = out.sequences[0, ids.shape[1]:].tolist()
+    logits = torch.stack([step[0].float().cpu() for step in out.logits])
+    del model, out
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"tokens": tokens, "logits": logits, "seconds": time.perf_counter() - t0}
+
+
+def _compare(case: dict, ref: dict, per_rank: list[dict], world: int, opts: dict) -> dict:
+    rec = dict(case=case["name"], dtype=case["dtype"], scheme=case["scheme"], tp=world, backend=opts["backend"],
+               device=opts["device"], expect=case["expect"], new_tokens=opts["new_tokens"])
+    errors = {}
+    if "error" in ref:
+        errors["tp1"] = ref["error"]
+    for r, res in enumerate(per_rank):
+        if "error" in res:
+            errors[f"rank{r}"] = res["error"]
+    if errors:
+        return dict(rec, errors=errors, exact=False)
+    t1, tn = ref["tokens"], per_rank[0]["tokens"]
+    matching = next((i for i, (a, b) in enumerate(zip(t1, tn)) if a != b), min(len(t1), len(tn)))
+    # Step i's logits come from the same inputs while the first i generated tokens agree.
+    steps = min(matching + 1, len(t1), len(tn))
+    a, b = per_rank[0]["logits"][:steps].double(), ref["logits"][:steps].double()
+    return dict(rec, tokens_tp1=t1, tokens_tpN=tn, ranks_agree=all(r["tokens"] == tn for r in per_rank),
+                matching_tokens=matching, exact=t1 == tn and all(r["tokens"] == tn for r in per_rank),
+                logits_steps_compared=steps, logits_rel_error=float((a - b).norm() / b.norm()),
+                logits_rel_error_first_step=float((a[0] - b[0]).norm() / b[0].norm()),
+                logits_max_abs_diff=float((a - b).abs().max()),
+                seconds_tp1=ref["seconds"], seconds_tpN=max(r["seconds"] for r in per_rank))
+
+
+def _equiv_worker(rank: int, world: int, opts: dict) -> None:
+    import torch.distributed as dist
+
+    dev = _setup(rank, world, opts)
+    try:
+        doc = dict(_header(opts, world), records=[]) if rank == 0 else None
+        cases = _equiv_cases(opts)
+        # tp=1 references, one process each, spread over the ranks (each on its own device).
+        mine = {}
+        for i, case in enumerate(cases):
+            if i % world == rank:
+                try:
+                    mine[case["name"]] = _generate_case(case, 0, 1, dev, opts["new_tokens"])
+                except Exception as exc:
+                    traceback.print_exc()
+                    mine[case["name"]] = {"error": _err(exc)}
+        refs = {k: v for part in _gather(mine) for k, v in part.items()}
+        for case in cases:
+            try:
+                res = _generate_case(case, rank, world, dev, opts["new_tokens"])
+            except Exception as exc:  # the same error on every rank keeps the collectives in step
+                traceback.print_exc()
+                res = {"error": _err(exc)}
+            per_rank = _gather(res)
+            if rank == 0:
+                doc["records"].append(_compare(case, refs[case["name"]], per_rank, world, opts))
+                _write(opts["equivalence_file"], doc)
+        _barrier(opts, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def equivalence_table(doc: dict) -> str:
+    lines = [f"{'case':36} {'tp':>3} {'backend':7} {'tokens equal':>12} {'exact':>6} {'logits rel err':>14}"
+             f" {'first step':>10}"]
+    for r in doc.get("records", []):
+        if r.get("errors"):
+            lines.append(f"{r['case']:36} {r['tp']:>3} {r['backend']:7} ERROR {json.dumps(r['errors'])[:200]}")
+            continue
+        lines.append(f"{r['case']:36} {r['tp']:>3} {r['backend']:7} "
+                     f"{str(r['matching_tokens']) + '/' + str(r['new_tokens']):>12} {'yes' if r['exact'] else 'no':>6} "
+                     f"{r['logits_rel_error']:>14.2e} {r['logits_rel_error_first_step']:>10.2e}"
+                     + ("  (expected exact)" if r["expect"] == "exact" and not r["exact"] else ""))
+    if doc.get("error"):
+        lines.append(f"part failed: {doc['error']}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- b. decode scaling
+
+
+def _time(fn, dev: torch.device, rep_ms: int) -> float:
+    """Median ms: triton.testing.do_bench on CUDA, a few wall-clock runs in the interpreter."""
+    if dev.type == "cuda":
+        from benchmarks.run import bench
+
+        return bench(fn, rep_ms=rep_ms)
+    fn()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def _copy_bandwidth(dev: torch.device) -> float:
+    if dev.type == "cuda":
+        from benchmarks.run import copy_bandwidth
+
+        return copy_bandwidth()
+    src = torch.empty(32 * 2**20, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    ms = _time(lambda: dst.copy_(src), dev, 0)
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def _shortlist(mod, B: int, L: int, dev: torch.device, quick: bool) -> list[dict]:
+    first = mod.default_config(B, L, dev)
+    out = [first] + [c for c in mod.candidates(B, L)
+                     if (c["pages_per_tile"], c["num_warps"], c["num_stages"]) in TUNE_VARIANTS and c != first]
+    return out[:2] if quick else out
+
+
+def _scaling_point(name: str, tp: int, rank: int, dev: torch.device, shape: dict, opts: dict) -> dict | None:
+    """One (scheme, tp): ranks < tp each run B sequences over Hq/tp, Hkv/tp heads; every rank calls this."""
+    from benchmarks.run import PAGE, DecodeCase, kernel_module, rel_l2
+
+    B, L, Hq, Hkv, D = (shape[k] for k in ("B", "L", "Hq", "Hkv", "D"))
+    hq, hkv = Hq // tp, Hkv // tp
+    dtype = torch.float32 if name == "fp32" else torch.bfloat16
+    active = rank < tp
+    state = {}
+    info = None
+    if active:
+        try:
+            t0 = time.perf_counter()
+            mod, scheme = kernel_module("decode", name, hkv, Hq // Hkv, D, dtype=str(dtype).split(".")[-1])
+            case = DecodeCase(scheme, B, L, hq, hkv, D, dtype=dtype, seed=rank, device=dev)
+            out = torch.empty_like(case.q)
+            sm = 1 / math.sqrt(D)
+
+            def run(cfg):
+                mod.launch(case.q, out, case.pools, case.block_tables, case.seq_lens, case.num_compressed, sm, cfg)
+
+            cands = _shortlist(mod, B, L, dev, opts["quick"])
+            times = []
+            for cfg in cands:
+                try:
+                    times.append(_time(lambda: run(cfg), dev, 60))
+                except Exception as exc:  # a candidate that does not compile (registers, smem) is skipped
+                    print(f"    rank {rank} {name} tp{tp} candidate {cfg} failed: {_err(exc)[:160]}", file=sys.stderr)
+                    times.append(None)
+            state = dict(case=case, run=run, out=out)
+            info = {"configs": cands, "times": times, "tune_s": time.perf_counter() - t0}
+        except Exception as exc:
+            traceback.print_exc()
+            info = {"error": _err(exc)}
+    infos = _gather(info)[:tp]
+    rec = dict(scheme=name, tp=tp, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, page_size=PAGE, q_heads_per_gpu=hq,
+               kv_heads_per_gpu=hkv, dtype=str(dtype).split(".")[-1])
+    errors = {f"rank{r}": i["error"] for r, i in enumerate(infos) if "error" in i}
+    pick = None
+    if not errors:
+        configs = infos[0]["configs"]
+        worst = [max((i["times"][c] if i["times"][c] is not None else math.inf) for i in infos)
+                 for c in range(len(configs))]
+        if min(worst) < math.inf:
+            pick = min(range(len(configs)), key=worst.__getitem__)
+        else:
+            errors["all"] = "no tuning candidate ran"
+    # Every rank launches the chosen config together, right after one barrier.
+    _barrier(opts, rank)
+    result = None
+    if active and pick is not None:
+        try:
+            case, run = state["case"], state["run"]
+            cfg = infos[0]["configs"][pick]
+            ms = _time(lambda: run(cfg), dev, 200)
+            run(cfg)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            result = {"ms": ms, "bytes": case.bytes, "rel_error": rel_l2(state["out"].float(), case.reference())}
+        except Exception as exc:
+            traceback.print_exc()
+            result = {"error": _err(exc)}
+    results = _gather(result)[:tp]
+    state.clear()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    if rank != 0:
+        return None
+    if pick is None:
+        return dict(rec, errors=errors)
+    errors.update({f"rank{r}": x["error"] for r, x in enumerate(results) if x and "error" in x})
+    if errors:
+        return dict(rec, errors=errors)
+    ms = [x["ms"] for x in results]
+    bw = opts["copy_bw"][:tp]
+    nbytes = results[0]["bytes"]
+    return dict(rec, ms=max(ms), ms_per_rank=ms, kv_bytes_per_gpu=nbytes,
+                bw_fraction=nbytes / (max(ms) * 1e-3) / min(bw), copy_bandwidth_per_gpu=bw,
+                rel_error=max(x["rel_error"] for x in results), config=infos[0]["configs"][pick],
+                tune_s=max(i["tune_s"] for i in infos),
+                tuning={json.dumps(c, sort_keys=True): [i["times"][k] for i in infos]
+                        for k, c in enumerate(infos[0]["configs"])})
+
+
+def _scaling_worker(rank: int, world: int, opts: dict) -> None:
+    import torch.distributed as dist
+
+    dev = _setup(rank, world, opts)
+    try:
+        shape = QUICK_SHAPE if opts["quick"] else SHAPE
+        _barrier(opts, rank)
+        opts = dict(opts, copy_bw=_gather(_copy_bandwidth(dev)))  # every GPU at once: what each gets alone
+        doc = None
+        if rank == 0:
+            doc = dict(_header(opts, world), shape=shape, copy_bandwidth_per_gpu=opts["copy_bw"],
+                       method="per rank: Hq/tp, Hkv/tp heads, the whole batch; tuned over a short candidate list "
+                              "(lowest time on the slowest rank), then all ranks time together after a barrier "
+                              "(median of do_bench each); ms = the slowest rank; bw_fraction = KV bytes per GPU / ms "
+                              "/ the lowest copy bandwidth of the GPUs used",
+                       records=[])
+            _write(opts["scaling_file"], doc)
+        tps = [t for t in (1, 2, 4, 8) if t <= world and shape["Hkv"] % t == 0]
+        if world not in tps:
+            tps.append(world)
+        for name in opts["schemes"]:
+            for tp in tps:
+                rec = _scaling_point(name, tp, rank, dev, shape, opts)
+                if rank == 0:
+                    base = next((r for r in doc["records"] if r["scheme"] == name and r["tp"] == 1 and "ms" in r), None)
+                    if tp == 1 and "ms" in rec:
+                        rec["speedup_vs_tp1"] = 1.0
+                    elif base and "ms" in rec:
+                        rec["speedup_vs_tp1"] = base["ms"] / rec["ms"]
+                    doc["records"].append(rec)
+                    _write(opts["scaling_file"], doc)
+                    print(json.dumps({k: v for k, v in rec.items() if k not in ("tuning", "copy_bandwidth_per_gpu")},
+                                     default=str), flush=True)
+        _barrier(opts, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def scaling_table(doc: dict) -> str:
+    bws = doc.get("copy_bandwidth_per_gpu") or []
+    shape = doc.get("shape") or {}
+    head = [f"{doc.get('gpu')} x{doc.get('gpus')}, torch {doc.get('torch')}, triton {doc.get('triton')}, {doc.get('date')}",
+            f"decode B={shape.get('B')} L={shape.get('L')} (same total batch for every tp), {shape.get('Hq')}/{shape.get('Hkv')} "
+            f"heads, D={shape.get('D')}, page 16; copy bandwidth per GPU "
+            + ", ".join(f"{b / 1e12:.3f} TB/s" if b else "-" for b in bws)]
+    if doc.get("note"):
+        head.append(doc["note"])
+    lines = head + [f"{'scheme':6} {'tp':>3} {'heads/GPU':>9} {'ms':>9} {'ms per rank':>24} {'KV MB/GPU':>10} "
+                    f"{'bw/GPU':>7} {'speedup':>8} {'err':>8}  config"]
+    for r in doc.get("records", []):
+        heads = f"{r['q_heads_per_gpu']}/{r['kv_heads_per_gpu']}"
+        if "ms" not in r:
+            lines.append(f"{r['scheme']:6} {r['tp']:>3} {heads:>9} ERROR {json.dumps(r.get('errors'))[:200]}")
+            continue
+        per = ",".join(f"{m:.4f}" for m in r["ms_per_rank"])
+        sp = r.get("speedup_vs_tp1")
+        c = r["config"]
+        lines.append(f"{r['scheme']:6} {r['tp']:>3} {heads:>9} {r['ms']:>9.4f} {per:>24} {r['kv_bytes_per_gpu'] / 1e6:>10.1f} "
+                     f"{r['bw_fraction']:>7.3f} {(f'{sp:.2f}x' if sp else '-'):>8} {r['rel_error']:>8.4f}  "
+                     f"splits {c.get('num_splits')} ppt {c.get('pages_per_tile')} w{c.get('num_warps')} s{c.get('num_stages')}")
+    if doc.get("error"):
+        lines.append(f"part failed: {doc['error']}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _finish(path: Path, error: str | None, header: dict) -> dict:
+    doc = json.loads(path.read_text()) if path.exists() else dict(header, records=[])
+    if error:
+        doc["error"] = error
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    return doc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="default benchmarks/results/<date>-<gpu>-x<N>/")
+    ap.add_argument("--gpus", type=int, default=None, help="ranks (default: every visible GPU; 2 on the CPU)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default nccl on cuda, gloo on cpu")
+    ap.add_argument("--model-dir", default=None, help="stories260K (default ../shared/data/models/stories260K, "
+                                                      "or .shared/ or shared/ inside the repository)")
+    ap.add_argument("--parts", default="equivalence,scaling")
+    ap.add_argument("--schemes", default=None, help="decode scaling schemes (default bf16,int8,int4; "
+                                                    "fp32,int8,int4 on the CPU, whose interpreter mishandles bf16 pages)")
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--quick", action="store_true", help="small decode shape (B=2, L=64), two candidates; "
+                                                         "implied by --device cpu")
+    ap.add_argument("--equivalence-timeout", type=float, default=240.0, help="seconds before part a is stopped")
+    ap.add_argument("--scaling-timeout", type=float, default=270.0, help="seconds before part b is stopped")
+    args = ap.parse_args(argv)
+
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    if args.device == "cuda":
+        n_visible = torch.cuda.device_count()
+        world = args.gpus if args.gpus is not None else n_visible
+        if n_visible < 2 or world < 2 or world > n_visible:
+            print(f"tp_scaling needs N >= 2 CUDA GPUs (asked for {world}, {n_visible} visible); for a CPU smoke run: "
+                  "TRITON_INTERPRET=1 python -m benchmarks.tp_scaling --backend gloo --device cpu --gpus 2", file=sys.stderr)
+            return 2
+        gpu = torch.cuda.get_device_name(0)
+    else:
+        world = args.gpus if args.gpus is not None else 2
+        if world < 2:
+            print("tp_scaling needs --gpus N >= 2", file=sys.stderr)
+            return 2
+        os.environ["TRITON_INTERPRET"] = "1"  # inherited by the spawned ranks
+        gpu = "cpu"
+    if backend == "nccl" and args.device != "cuda":
+        print("NCCL needs --device cuda", file=sys.stderr)
+        return 2
+    if 8 % world:
+        print(f"{world} ranks do not divide the 8 KV heads of the Llama-3-70B shape; use 2, 4 or 8", file=sys.stderr)
+        return 2
+    for k, v in SAFE_ENV.items():
+        os.environ.setdefault(k, v)
+    quick = args.quick or args.device == "cpu"
+    model_dir = args.model_dir or str(next((p for p in MODEL_DIRS if p.exists()), MODEL_DIRS[0]))
+    schemes = (args.schemes or ("fp32,int8,int4" if args.device == "cpu" else "bf16,int8,int4")).split(",")
+    date = dt.date.today().isoformat()
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"{date}-{slug}-x{world}"
+    out.mkdir(parents=True, exist_ok=True)
+    opts = dict(device=args.device, backend=backend, model_dir=model_dir, new_tokens=args.new_tokens, quick=quick,
+                schemes=schemes, pg_timeout=300,
+                command="python -m benchmarks.tp_scaling " + " ".join(argv if argv is not None else sys.argv[1:]),
+                equivalence_file=str(out / "equivalence.json"), scaling_file=str(out / "tp_scaling.json"))
+    header = dict(gpu=gpu, gpus=world, torch=torch.__version__, date=date, backend=backend, device=args.device,
+                  command=opts["command"])
+    parts = args.parts.split(",")
+    print(f"tp_scaling: {world} ranks, {backend} on {args.device} ({gpu}); results in {out}", flush=True)
+    if args.device == "cpu":
+        print(CPU_NOTE, flush=True)
+
+    if "equivalence" in parts:
+        t0 = time.perf_counter()
+        for f in (out / "equivalence.json",):
+            f.unlink(missing_ok=True)
+        try:
+            error = _spawn(_equiv_worker, world, opts, args.equivalence_timeout)
+        except Exception as exc:
+            error = _err(exc)
+        doc = _finish(out / "equivalence.json", error, header)
+        print(f"\nequivalence, tp=1 vs tp={world} ({time.perf_counter() - t0:.0f} s):\n{equivalence_table(doc)}", flush=True)
+
+    if "scaling" in parts:
+        t0 = time.perf_counter()
+        (out / "tp_scaling.json").unlink(missing_ok=True)
+        try:
+            error = _spawn(_scaling_worker, world, opts, args.scaling_timeout)
+        except Exception as exc:
+            error = _err(exc)
+        doc = _finish(out / "tp_scaling.json", error, header)
+        print(f"\ndecode scaling ({time.perf_counter() - t0:.0f} s):\n{scaling_table(doc)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
