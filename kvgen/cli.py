@@ -49,7 +49,8 @@ def _positive_int(text: str) -> int:
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name, config.json, model folder or hub id")
     p.add_argument("--target", required=True, help="GPU preset (kvgen targets) or 'auto'")
-    p.add_argument("--kv", default="auto", help="scheme name (kvgen schemes) or 'auto'")
+    p.add_argument("--kv", default="auto",
+                   help="scheme (kvgen schemes), with options as NAME:key=value[:key=value...], or 'auto'")
     p.add_argument("--context", type=_positive_int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--concurrency", type=_positive_int, default=1, help="sequences served at once (default 1)")
     p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel degree (default 1)")
@@ -156,9 +157,11 @@ def cmd_schemes(args) -> int:
     if args.json:
         _print_json(rows)
         return 0
-    _table("schemes (bytes at head_dim 128, page 16)", ["name", "bits", "B/token/KV head", "residual", "summary"],
+    _table("schemes (bytes at head_dim 128, page 16)",
+           ["name", "bits", "B/token/KV head", "residual", "options (--kv NAME:key=value)", "summary"],
            [(r["name"], r["bits"], f"{r['bytes_per_token_per_kv_head']:g}",
-             "-" if r["residual_tokens"] is None else r["residual_tokens"], r["summary"]) for r in rows])
+             "-" if r["residual_tokens"] is None else r["residual_tokens"], ", ".join(r["options"]) or "-",
+             r["summary"]) for r in rows])
     return 0
 
 

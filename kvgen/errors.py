@@ -27,6 +27,10 @@ class UnknownSchemeError(KvgenError):
     """A --kv scheme that no plugin registered."""
 
 
+class SchemeOptionError(KvgenError):
+    """A scheme option that is malformed (``--kv name:key=value``), unknown to the scheme, or has a bad value."""
+
+
 class WorkloadError(KvgenError):
     """A workload value out of range (context, concurrency, tp, utilization...)."""
 

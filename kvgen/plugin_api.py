@@ -2,9 +2,10 @@
 
 import pluggy
 
-from kvgen.errors import KvgenError, SchemeCapabilityError
+from kvgen.errors import KvgenError, SchemeCapabilityError, SchemeOptionError
 from kvgen.schemes import COMPUTE, D, P, PageTensor, Scheme
 
 hookimpl = pluggy.HookimplMarker("kvgen")
 
-__all__ = ["hookimpl", "KvgenError", "SchemeCapabilityError", "Scheme", "PageTensor", "COMPUTE", "D", "P"]
+__all__ = ["hookimpl", "KvgenError", "SchemeCapabilityError", "SchemeOptionError", "Scheme", "PageTensor", "COMPUTE",
+           "D", "P"]

@@ -53,6 +53,13 @@ class Registry:
     commands: dict[str, tuple[str, Callable]] = field(default_factory=dict)
     plugins: list[PluginRecord] = field(default_factory=list)
 
+    def scheme(self, text: str):
+        """The scheme ``text`` names, with its options applied (``"nuq4:codebook=f.json"``); see
+        :func:`kvgen.schemes.resolve_scheme`, which this calls."""
+        from kvgen.schemes import resolve_scheme
+
+        return resolve_scheme(text, self.schemes)
+
 
 def _collect(record: PluginRecord, plugin: object, registry: Registry) -> None:
     """Call each hook the plugin implements with a register callback bound to the record."""

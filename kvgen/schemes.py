@@ -26,6 +26,20 @@ Residual pages
   macro into a compressed page. So a sequence of ``n`` tokens has
   ``compressed_pages(n)`` compressed pages first, then residual pages.
 
+Options
+-------
+A scheme may accept options, given wherever a user names a scheme as
+``NAME:key=value[:key=value...]`` (``kvgen plan/compile --kv``, each item of
+``kvgen eval --kv``, ``attach(model, scheme=...)``). :func:`resolve_scheme`
+is the one parser; it looks the name up and calls ``with_options``. A scheme
+declares what it accepts in the class attribute ``options`` (option name ->
+one-line description of the value) and implements ``configure(**values)``,
+which returns a *new* instance (registered schemes are shared objects and are
+never mutated). ``with_options`` refuses undeclared names, calls
+``configure`` and records the values on the new instance
+(``option_values``, all strings); ``params()`` then carries them, so plans,
+kernel specs and compile caches differ whenever an option does.
+
 Jinja macros
 ------------
 ``macro_template`` names a template (found on the template search path, see
@@ -83,12 +97,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Mapping
 
 import sympy
 import torch
 
-from kvgen.errors import SchemeCapabilityError
+from kvgen.errors import SchemeCapabilityError, SchemeOptionError, UnknownSchemeError
 
 COMPUTE = "compute"
 """A PageTensor dtype meaning: the compute dtype of the plan (fp16/bf16/fp32)."""
@@ -146,6 +160,52 @@ class Scheme:
     """Typical relative L2 error of attention over this cache vs float32 (random
     normal data); the planner's ``--kv auto`` prefers the smallest. None means
     unknown: ranked as 2**-bits."""
+    options: ClassVar[Mapping[str, str]] = {}
+    """Options the scheme accepts (``--kv name:key=value``): option name -> one-line description
+    of its value (say its type and default). Empty: the scheme takes none."""
+    option_values: Mapping[str, str] = {}
+    """The options this instance was configured with (set by ``with_options``; read-only)."""
+
+    # -- options ----------------------------------------------------------
+    def with_options(self, **values: Any) -> "Scheme":
+        """A new instance of this scheme configured with ``values`` (option name -> value).
+
+        Never mutates ``self`` (registered schemes are shared). Names the
+        scheme does not declare in ``options`` raise SchemeOptionError; values
+        are passed to ``configure`` as strings (as the command line gives
+        them), merged over the options ``self`` already has. No values:
+        returns ``self``. Override ``configure``, not this method.
+        """
+        unknown = sorted(set(values) - set(self.options))
+        if unknown:
+            have = (f"its options are {', '.join(sorted(self.options))}" if self.options
+                    else "it takes no options")
+            raise SchemeOptionError(f"scheme {self.name} has no option {', '.join(map(repr, unknown))}; "
+                                    f"{have} (kvgen schemes --json lists them)")
+        if not values:
+            return self
+        merged = dict(sorted({**self.option_values, **{k: str(v) for k, v in values.items()}}.items()))
+        new = self.configure(**merged)
+        if new is self or not isinstance(new, Scheme) or new.name != self.name:
+            raise TypeError(f"scheme {self.name}: configure() must return a new {type(self).__name__}, not {new!r}")
+        new.option_values = merged
+        return new
+
+    def configure(self, **values: str) -> "Scheme":
+        """Build a new instance for the (declared, string) option ``values``; raise a KvgenError for a bad value.
+
+        Called by ``with_options`` only; ``values`` holds every option set so
+        far (a chained ``with_options`` passes the merged values). Must not
+        modify ``self`` -- return e.g. ``copy.copy(self)`` with instance
+        attributes set, or a freshly constructed instance.
+        """
+        raise NotImplementedError(
+            f"scheme {self.name} declares options {sorted(self.options)} but does not implement configure()")
+
+    @property
+    def label(self) -> str:
+        """The name plus its options, as :func:`resolve_scheme` accepts it: ``nuq4:codebook=x.json``."""
+        return self.name + "".join(f":{k}={v}" for k, v in sorted(self.option_values.items()))
 
     # -- layout -----------------------------------------------------------
     def page_tensors(self, head_dim: int, page_size: int) -> tuple[PageTensor, ...]:
@@ -232,8 +292,16 @@ class Scheme:
         return self.expected_error if self.expected_error is not None else 2.0 ** -self.bits
 
     def params(self) -> dict[str, Any]:
-        """The scheme's parameters as JSON-able data (goes into plan.json)."""
-        return {"bits": self.bits, "residual_tokens": self.residual_tokens}
+        """The scheme's parameters as JSON-able data (goes into plan.json and every KernelSpec).
+
+        A configured instance's option values are included (``options``), so
+        two configurations never share a kernel cache entry; subclasses add
+        whatever their kernels bake in (the values an option selects).
+        """
+        out = {"bits": self.bits, "residual_tokens": self.residual_tokens}
+        if self.option_values:
+            out["options"] = dict(self.option_values)
+        return out
 
     def describe(self, head_dim: int = 128, page_size: int = 16) -> dict[str, Any]:
         return {
@@ -245,7 +313,51 @@ class Scheme:
             "head_dims": list(self.head_dims) if self.head_dims else "any",
             "page_sizes": list(self.page_sizes),
             "min_arch": self.min_arch,
+            "options": dict(self.options),
         }
+
+
+OPTION_SEP = ":"
+"""Separates a scheme's name from its options and the options from each other (``nuq4:codebook=f.json``)."""
+
+
+def parse_scheme_spec(text: str) -> tuple[str, dict[str, str]]:
+    """``"NAME[:key=value[:key=value...]]"`` -> ``(NAME, {key: value})``; SchemeOptionError if malformed.
+
+    The separator is ``:`` (a ``,`` would clash with ``kvgen eval --kv a,b``);
+    a value runs to the next ``:`` and may contain ``=``. Keys must not repeat.
+    """
+    name, *items = str(text).strip().split(OPTION_SEP)
+    name = name.strip()
+    if not name:
+        raise SchemeOptionError(
+            f"--kv {text!r}: no scheme name; write NAME or NAME:key=value (kvgen schemes lists them)")
+    values: dict[str, str] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key or not key.isidentifier():
+            raise SchemeOptionError(f"--kv {text!r}: bad option {item!r}; write {name}:key=value[:key=value...]")
+        if key in values:
+            raise SchemeOptionError(f"--kv {text!r}: option {key!r} given twice")
+        values[key] = value.strip()
+    return name, values
+
+
+def resolve_scheme(text: str, schemes: Mapping[str, Scheme]) -> Scheme:
+    """The scheme ``text`` names, configured with its options (``"int4"``, ``"nuq4:codebook=f.json"``).
+
+    The one resolver every entry point uses (planner ``--kv``, ``kvgen eval
+    --kv`` items, ``attach(scheme=...)``, codegen re-reading a plan). Returns
+    the registered object itself when no option is given, else a new
+    instance from its ``with_options``. Raises UnknownSchemeError or
+    SchemeOptionError (one-line messages).
+    """
+    name, values = parse_scheme_spec(text)
+    if name not in schemes:
+        raise UnknownSchemeError(
+            f"unknown --kv scheme {name!r}; known: {', '.join(sorted(schemes))} (kvgen schemes lists them)")
+    return schemes[name].with_options(**values)
 
 
 D = sympy.Symbol("D", positive=True, integer=True)

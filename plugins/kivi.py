@@ -13,6 +13,11 @@ in the residual pool (see ``kvgen.schemes``):
   the 128 most recent tokens as whole pages stay exact; so the page size must
   divide 128.
 
+Both take the option ``residual`` (``--kv int4:residual=64``): the tokens
+kept exact as whole pages besides the partial tail page, 0 or a multiple of
+the page size. The planner reserves the residual pool from it, so capacity
+follows.
+
 Codes are asymmetric with round-to-nearest: ``x ~= code * scale + zero``,
 ``zero`` is the group's minimum and ``scale = (max - min) / (2**bits - 1)``,
 both stored as float16 (codes are computed against the float16-rounded
@@ -58,12 +63,13 @@ the compressed pool and not counted here.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import sympy
 import torch
 
-from kvgen.plugin_api import PageTensor, Scheme, hookimpl
+from kvgen.plugin_api import PageTensor, Scheme, SchemeOptionError, hookimpl
 from kvgen.schemes import D as D_SYM
 from kvgen.schemes import P as P_SYM
 
@@ -124,6 +130,23 @@ class KiviScheme(Scheme):
     macro_template = "kivi.j2"
     head_dims = (8, 64, 80, 96, 128, 256)
     tolerance = 2e-3
+    options = {
+        "residual": ("tokens kept exact (compute dtype) as whole pages besides the partial tail page: 0 or a "
+                     "multiple of the page size (int4 default 0, int2 default 128)"),
+    }
+
+    def configure(self, residual: str | None = None) -> "KiviScheme":
+        new = copy.copy(self)
+        if residual is not None:
+            try:
+                tokens = int(residual)
+            except ValueError:
+                tokens = -1
+            if tokens < 0:
+                raise SchemeOptionError(f"scheme {self.name}: option residual must be a whole number of tokens >= 0, "
+                                        f"got {residual!r}")
+            new.residual_tokens = tokens
+        return new
 
     @property
     def levels(self) -> int:

@@ -241,6 +241,30 @@ def test_cli_json_schema(shared_data, capsys, tmp_path):
     assert "decode" in captured.err  # the run says how many predictions were decode steps
 
 
+def test_resolve_schemes_accepts_options():
+    from kvgen.errors import SchemeOptionError
+    from kvgen.eval.runner import resolve_schemes
+
+    reg = default_registry().schemes
+    got = resolve_schemes("int4, int4:residual=32,int8,int4:residual=32", reg)
+    assert [s.label for s in got] == ["int4", "int4:residual=32", "int8"]
+    assert got[0] is reg["int4"] and got[1].residual_tokens == 32 and reg["int4"].residual_tokens == 0
+    with pytest.raises(SchemeOptionError, match="its options are residual"):
+        resolve_schemes("int4:bits=3", reg)
+
+
+def test_cli_scheme_with_options(shared_data, capsys):
+    args = ["eval", "--model-path", str(shared_data / STORIES), "--text", str(shared_data / TEXT),
+            "--kv", "int4,int4:residual=32", "--window", "96", "--max-tokens", "96", "--threads", "1",
+            "--backend", "reference", "--json"]
+    assert main(args) == 0
+    rows = {r["scheme"]: r for r in json.loads(capsys.readouterr().out)}
+    assert sorted(rows) == ["int4", "int4:residual=32"]
+    # 32 more tokens stay exact per window: fewer compressed pages, a different score.
+    assert rows["int4:residual=32"]["compressed_pages"] < rows["int4"]["compressed_pages"]
+    assert rows["int4:residual=32"]["kl"] != rows["int4"]["kl"]
+
+
 def test_cli_table(shared_data, capsys):
     args = ["eval", "--model-path", str(shared_data / STORIES), "--text", str(shared_data / TEXT),
             "--kv", "fp16", "--window", "64", "--max-tokens", "64", "--threads", "1"]
@@ -251,6 +275,8 @@ def test_cli_table(shared_data, capsys):
 
 @pytest.mark.parametrize("extra, expect", [
     (["--kv", "int3"], "int3"),
+    (["--kv", "fp16,int4:residual"], "key=value"),
+    (["--kv", "int4:group=64"], "its options are residual"),
     (["--kv", ""], "--kv"),
     (["--window", "1024"], "--window 512"),          # stories260K has 512 positions
     (["--window", "1"], "--window"),

@@ -85,9 +85,9 @@ class PagedReferenceLayer(CacheLayerMixin):
         self.groups: list[_Group] = []
         by_name: dict[str, _Group] = {}
         for row, scheme in enumerate(self.schemes):
-            group = by_name.get(scheme.name)
+            group = by_name.get(scheme.label)  # the label: one scheme may appear with different options
             if group is None:
-                group = by_name[scheme.name] = _Group(scheme, [])
+                group = by_name[scheme.label] = _Group(scheme, [])
                 self.groups.append(group)
             group.rows.append(row)
 

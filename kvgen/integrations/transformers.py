@@ -481,7 +481,9 @@ def attach(model: Any, scheme: str = "int8", max_tokens: int | None = None,
     """Make ``model.generate(...)`` run on kvgen pages and kernels; returns a fresh :class:`KvgenCache`.
 
     ``scheme``: a kvgen scheme (``fp32``, ``fp16``, ``bf16``, ``int8``,
-    ``fp8``, ``int4``, ``int2``). ``max_tokens``: tokens of pages to
+    ``fp8``, ``int4``, ``int2``, or a plugin's), optionally with options
+    as on the command line (``"int4:residual=64"``, ``"nuq4:codebook=F"``;
+    see :func:`kvgen.schemes.resolve_scheme`). ``max_tokens``: tokens of pages to
     allocate, shared by every KvgenCache of this model (default: the
     workload's ``context * concurrency``, at least 16384, at most the plan's
     capacity). ``device``: default the model's device. ``target``: a kvgen

@@ -15,7 +15,9 @@ class Plan:
     ``num_pages``/``num_residual_pages`` are the per-GPU pool sizes (compressed
     pool, and the compute-dtype residual pool of schemes that keep one).
     ``page_tensors`` is the scheme's compressed page layout (name, dtype,
-    shape per page and KV head) for the runtime to allocate.
+    shape per page and KV head) for the runtime to allocate. ``scheme_options``
+    are the options the scheme was configured with (``--kv nuq4:codebook=F``);
+    ``scheme`` plus them re-resolves the configured scheme (codegen does).
     """
 
     name: str
@@ -53,6 +55,7 @@ class Plan:
     host_transfer_ms_per_step: float
     arch: str
     page_tensors: list[dict[str, Any]] = field(default_factory=list)
+    scheme_options: dict[str, str] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
     formulas: list[str] = field(default_factory=list)
     model_spec: dict[str, Any] = field(default_factory=dict)

@@ -9,6 +9,8 @@ scheme's layout, it asks the scheme for its bytes per token.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -20,7 +22,7 @@ from kvgen.models import ModelSpec
 from kvgen.planner import memory as mm
 from kvgen.planner.plan import Plan
 from kvgen.planner.workload import Workload
-from kvgen.schemes import Scheme
+from kvgen.schemes import Scheme, parse_scheme_spec, resolve_scheme
 from kvgen.targets import Target
 
 PAGE_CANDIDATES = (8, 16, 32, 64, 128)
@@ -148,14 +150,14 @@ def choose_scheme(requested: str, schemes: dict[str, Scheme], model: ModelSpec, 
                   workload: Workload, shard: Shard) -> tuple[Scheme, int, Capacity, str]:
     """``--kv auto``: the most precise scheme whose capacity meets concurrency x context, else the most compact."""
     if requested != "auto":
-        if requested not in schemes:
+        if parse_scheme_spec(requested)[0] not in schemes:
             raise UnknownSchemeError(
                 f"unknown --kv scheme {requested!r}; known: {', '.join(sorted(schemes))} or auto (kvgen schemes lists them)")
-        scheme = schemes[requested]
+        scheme = resolve_scheme(requested, schemes)
         scheme.check(model.head_dim, workload.page_size or _first_page(scheme), target.arch_number or None)
         page, page_why = choose_page_size(scheme, workload, model.head_dim)
         cap = capacity(model, target, workload, shard, scheme, page)
-        return scheme, page, cap, f"scheme {scheme.name}: set by --kv; " + page_why
+        return scheme, page, cap, f"scheme {scheme.label}: set by --kv; " + page_why
     compute_name = COMPUTE_SCHEME[workload.compute_dtype]
     usable = []
     for s in schemes.values():
@@ -261,11 +263,17 @@ def _make_plan(model: ModelSpec, target: Target, workload: Workload, schemes: di
     tiering, host_bytes, transfer_ms, tier_why = choose_tiering(model, target, workload, cap)
     weight_bytes = model.num_params * workload.weight_bits // 8
     # The plan name is also the generated package's import name: keep it an identifier.
-    name = re.sub(r"[^0-9A-Za-z]+", "_", f"{model.name}_{target.name}_{scheme.name}_tp{workload.tp}_p{page}").strip("_")
+    # Options go into the name as a short digest, so two configurations never share a package folder.
+    opts = ""
+    if scheme.option_values:
+        opts = "_" + hashlib.sha256(json.dumps(dict(scheme.option_values), sort_keys=True).encode()).hexdigest()[:8]
+    name = re.sub(r"[^0-9A-Za-z]+", "_",
+                  f"{model.name}_{target.name}_{scheme.name}{opts}_tp{workload.tp}_p{page}").strip("_")
     if name[0].isdigit():
         name = "m_" + name
     return Plan(
         name=name, model=model.name, target=target.name, scheme=scheme.name, scheme_params=scheme.params(),
+        scheme_options=dict(scheme.option_values),
         page_size=page, compute_dtype=workload.compute_dtype, tp=workload.tp,
         num_layers=model.num_layers, num_q_heads=model.num_q_heads, num_kv_heads=model.num_kv_heads,
         kv_heads_per_gpu=shard.kv_heads_per_gpu, q_heads_per_gpu=shard.q_heads_per_gpu,

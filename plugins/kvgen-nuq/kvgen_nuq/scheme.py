@@ -35,10 +35,14 @@ constants: the decode loop maps 4-bit codes to levels with a 4-level
 ``tl.where`` select tree on the code bits (15 selects, no memory traffic).
 It is one codebook for all layers, the ``pooled`` codebook of the shipped
 calibration file (``codebooks/stories260K.json``, fitted on post-RoPE keys
-of stories260K over TinyStories text); ``KVGEN_NUQ_CODEBOOK=FILE`` selects
-another file written by ``kvgen nuq calibrate``, or a shipped one by name
-(``KVGEN_NUQ_CODEBOOK=smollm2-135m``: SmolLM2-135M-Instruct on tinyshakespeare). The page sizes the scheme
-declares are those its file has codebooks for. The file also holds one
+of stories260K over TinyStories text). The scheme option ``codebook``
+selects another file written by ``kvgen nuq calibrate``, or a shipped one by
+name: ``--kv nuq4:codebook=my.json``, ``--kv nuq4:codebook=smollm2-135m``
+(SmolLM2-135M-Instruct on tinyshakespeare). The codebook then goes into the
+plan's ``scheme_params`` and the kernels' specs, so each codebook gets its own
+kernels. ``KVGEN_NUQ_CODEBOOK=FILE`` (the older way, kept for backward
+compatibility) changes the default used when the option is not given. The
+page sizes the scheme declares are those its file has codebooks for. The file also holds one
 codebook per layer, which kvgen's kernels cannot use yet: the scheme
 contract has no per-layer state (see docs/plugin-guide.md, "API gaps").
 
@@ -162,33 +166,63 @@ def quantize_values(v: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     return code.reshape(v.shape), scale.squeeze(-1), zero.squeeze(-1)
 
 
-def codebook_path():
-    """The codebook file nuq4 uses: ``$KVGEN_NUQ_CODEBOOK`` (a path, or the name of a shipped file
-    such as ``smollm2-135m``) or the shipped default (a Traversable)."""
+def codebook_path(spec: str | None = None):
+    """The codebook file for ``spec``: a path, or the name of a shipped file (``smollm2-135m``,
+    ``stories260K.json``). ``spec`` None: ``$KVGEN_NUQ_CODEBOOK`` (the same forms; kept for backward
+    compatibility), else the shipped default. Shipped files are Traversables, paths strings."""
     shipped = importlib.resources.files("kvgen_nuq") / "codebooks"
-    env = os.environ.get(CODEBOOK_ENV)
-    if not env:
+    if spec is None:
+        spec = os.environ.get(CODEBOOK_ENV) or None
+    if not spec:
         return shipped / DEFAULT_CODEBOOK
-    if "/" not in env and os.sep not in env and not os.path.exists(env):
-        name = env if env.endswith(".json") else f"{env}.json"
+    if "/" not in spec and os.sep not in spec and not os.path.exists(spec):
+        name = spec if spec.endswith(".json") else f"{spec}.json"
         if (shipped / name).is_file():
             return shipped / name
-    return env
+    return spec
 
 
-@functools.lru_cache(maxsize=8)
-def _read(env: str) -> tuple[dict[int, tuple[float, ...]], str]:
-    # ``env`` (the variable's value) only keys the cache; codebook_path() resolves it.
-    path = codebook_path()
-    data = load_codebooks(path)
-    source = str(path) if isinstance(path, str) else f"kvgen_nuq/codebooks/{path.name}"
+def shipped_codebooks() -> list[str]:
+    """Names of the codebook files shipped in the package (without ``.json``)."""
+    folder = importlib.resources.files("kvgen_nuq") / "codebooks"
+    return sorted(e.name.removesuffix(".json") for e in folder.iterdir() if e.name.endswith(".json"))
+
+
+def _file_stamp(path) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns if isinstance(path, str) else None
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=16)
+def _read(path: str, shipped: bool, stamp: int | None) -> tuple[dict[int, tuple[float, ...]], str]:
+    # ``stamp`` (a file's mtime) only keys the cache, so a refitted file is read again.
+    data = load_codebooks(importlib.resources.files("kvgen_nuq") / "codebooks" / path if shipped else path)
+    source = f"kvgen_nuq/codebooks/{path}" if shipped else path
     books = {p: tuple(float(c) for c in b["pooled"]) for p, b in data["codebooks"].items()}
     return books, f"{source} (pooled, {data.get('model', '?')}, {data.get('keys', '?')} keys)"
 
 
+def read_codebooks(spec: str | None = None) -> tuple[dict[int, tuple[float, ...]], str]:
+    """``({page_size: levels}, description)`` of the pooled codebooks in the file ``spec`` selects
+    (see :func:`codebook_path`); CodebookError if it cannot be read or holds no valid codebook."""
+    if spec is not None and not spec.strip():
+        raise CodebookError(f"nuq4 option codebook is empty; give a codebook file or one of "
+                            f"{', '.join(shipped_codebooks())} (nuq4:codebook=NAME)")
+    path = codebook_path(spec)
+    if spec is not None and isinstance(path, str) and not os.path.exists(path):
+        raise CodebookError(f"nuq4 codebook {spec!r}: no such file, nor a shipped codebook "
+                            f"({', '.join(shipped_codebooks())}); pass a file written by 'kvgen nuq calibrate'")
+    if isinstance(path, str):
+        return _read(path, False, _file_stamp(path))
+    return _read(path.name, True, None)
+
+
 def default_codebooks() -> tuple[dict[int, tuple[float, ...]], str]:
-    """``({page_size: levels}, description)`` of the pooled codebooks nuq4 uses (see :func:`codebook_path`)."""
-    return _read(os.environ.get(CODEBOOK_ENV) or "")
+    """``({page_size: levels}, description)`` of the pooled codebooks nuq4 uses without the ``codebook``
+    option: ``$KVGEN_NUQ_CODEBOOK`` if set, else the shipped default."""
+    return read_codebooks(None)
 
 
 class Nuq4(Scheme):
@@ -207,6 +241,11 @@ class Nuq4(Scheme):
     # page 16, 64 causal queries) vs float32, relative L2: nuq4 0.099, KIVI int4 0.102 (same method).
     expected_error = 0.099
 
+    options = {
+        "codebook": ("codebook file: a path to a file written by 'kvgen nuq calibrate', or the name of a shipped "
+                     "one (stories260K, smollm2-135m); default $KVGEN_NUQ_CODEBOOK, else stories260K"),
+    }
+
     def __init__(self, codebooks=None, source: str | None = None):
         """``codebooks``: ``{page_size: 16 levels}`` (or one list of levels for every page size);
         default: the pooled codebooks of :func:`default_codebooks`."""
@@ -221,6 +260,10 @@ class Nuq4(Scheme):
         if not self.page_sizes:
             raise CodebookError(f"scheme {self.name}: no codebook for any page size in {list(type(self).page_sizes)} "
                                 f"(have {sorted(self.codebooks)}); refit with 'kvgen nuq calibrate'")
+
+    def configure(self, codebook: str) -> "Nuq4":
+        """A new instance on the pooled codebooks of ``codebook`` (``--kv nuq4:codebook=F``)."""
+        return type(self)(*read_codebooks(codebook))
 
     def codebook(self, page_size: int) -> torch.Tensor:
         """The 16 float32 levels used for pages of ``page_size`` tokens."""
