@@ -3,7 +3,7 @@
 
 run:
 	@./scripts/setup.sh test
-	.venv/bin/kvgen compile --model llama-3-8b --target h100 --kv int4
+	.venv/bin/kvgen compile --model llama-3-70b --target h100 --kv int4
 
 test:
 	@./scripts/setup.sh test
