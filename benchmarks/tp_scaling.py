@@ -537,26 +537,22 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         print(CPU_NOTE, flush=True)
 
-    if "equivalence" in parts:
+    def run_part(worker, json_name, timeout, title, table):
+        # one part's ranks; a failure is recorded in its JSON and the other part still runs
         t0 = time.perf_counter()
-        for f in (out / "equivalence.json",):
-            f.unlink(missing_ok=True)
+        (out / json_name).unlink(missing_ok=True)
         try:
-            error = _spawn(_equiv_worker, world, opts, args.equivalence_timeout)
+            error = _spawn(worker, world, opts, timeout)
         except Exception as exc:
             error = _err(exc)
-        doc = _finish(out / "equivalence.json", error, header)
-        print(f"\nequivalence, tp=1 vs tp={world} ({time.perf_counter() - t0:.0f} s):\n{equivalence_table(doc)}", flush=True)
+        doc = _finish(out / json_name, error, header)
+        print(f"\n{title} ({time.perf_counter() - t0:.0f} s):\n{table(doc)}", flush=True)
 
+    if "equivalence" in parts:
+        run_part(_equiv_worker, "equivalence.json", args.equivalence_timeout,
+                 f"equivalence, tp=1 vs tp={world}", equivalence_table)
     if "scaling" in parts:
-        t0 = time.perf_counter()
-        (out / "tp_scaling.json").unlink(missing_ok=True)
-        try:
-            error = _spawn(_scaling_worker, world, opts, args.scaling_timeout)
-        except Exception as exc:
-            error = _err(exc)
-        doc = _finish(out / "tp_scaling.json", error, header)
-        print(f"\ndecode scaling ({time.perf_counter() - t0:.0f} s):\n{scaling_table(doc)}", flush=True)
+        run_part(_scaling_worker, "tp_scaling.json", args.scaling_timeout, "decode scaling", scaling_table)
     return 0
 
 

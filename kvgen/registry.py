@@ -67,8 +67,9 @@ def _collect(record: PluginRecord, plugin: object, registry: Registry) -> None:
     pm.add_hookspecs(hookspecs)
     pm.register(plugin, name=record.name)
 
-    def keyed(kind: str, store: dict, key: Callable[[Any], str]):
+    def keyed(kind: str, store: dict, key: Callable[[Any], str], check: Callable[[Any], None] = lambda obj: None):
         def register(obj, *rest):
+            check(obj)
             name = key(obj)
             if name in store:
                 raise PluginError(f"plugin {record.name} registers {kind} {name!r}, which another plugin already registered")
@@ -81,7 +82,7 @@ def _collect(record: PluginRecord, plugin: object, registry: Registry) -> None:
         record.registered.setdefault("templates", []).append(str(path))
 
     calls = [
-        ("kvgen_register_schemes", keyed("schemes", registry.schemes, lambda s: s.name)),
+        ("kvgen_register_schemes", keyed("schemes", registry.schemes, lambda s: s.name, _check_scheme)),
         ("kvgen_register_targets", keyed("targets", registry.targets, lambda t: t.name)),
         ("kvgen_register_models", keyed("models", registry.models, lambda m: m.name)),
         ("kvgen_register_templates", register_template_dir),
@@ -97,6 +98,15 @@ def _collect(record: PluginRecord, plugin: object, registry: Registry) -> None:
             errors.append(f"{hook_name}: {type(exc).__name__}: {exc}")
     if errors:
         record.error = "; ".join(errors)
+
+
+def _check_scheme(scheme: Any) -> None:
+    """Contract checks a scheme must pass to be registered (a plugin author's error, reported per plugin)."""
+    from kvgen.schemes import Scheme
+
+    if isinstance(scheme, Scheme) and scheme.options and type(scheme).configure is Scheme.configure:
+        raise PluginError(f"scheme {scheme.name} declares options {sorted(scheme.options)} "
+                          f"but does not implement configure()")
 
 
 def load_registry(extra_plugins: tuple[object, ...] = ()) -> Registry:

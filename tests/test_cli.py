@@ -115,3 +115,22 @@ def test_a_failing_hook_keeps_the_plugins_other_contributions():
     record = reg.plugins[-1]
     assert "codebook file unreadable" in record.error
     assert "repair" in reg.commands and "fp16" in reg.schemes
+
+
+def test_a_scheme_with_options_but_no_configure_is_refused_at_registration():
+    from kvgen.plugin_api import hookimpl
+    from kvgen.registry import load_registry
+    from kvgen_plugins.int8 import Int8Scheme
+
+    class HalfDone(Int8Scheme):
+        name = "halfdone"
+        options = {"clip": "amax clipping factor (float)"}
+
+    class Plugin:
+        @hookimpl
+        def kvgen_register_schemes(self, register):
+            register(HalfDone())
+
+    reg = load_registry(extra_plugins=(Plugin(),))
+    assert "halfdone" not in reg.schemes
+    assert "does not implement configure()" in reg.plugins[-1].error

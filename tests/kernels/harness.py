@@ -510,3 +510,17 @@ def cache_and_kernel(op: str, case, lengths, *, seed: int = 0, window: int = 0, 
         kw["softcap"] = softcap
     mod = load_op(op, s, case.head_dim, case.num_kv_heads, case.gqa, case.page_size, case.dtype, dev=dev, **kw)
     return cache, mod
+
+
+def check(case: Case, out: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
+    """A kernel output against its reference: no NaN (poisoned slots and unwritten rows stay NaN), rel L2 within the scheme's tolerance."""
+    assert not torch.isnan(out).any(), f"{what}: NaN in the output (a row left unwritten or a poisoned slot leaked)"
+    err = rel_l2(out, ref)
+    tol = tolerance(case.scheme_obj, case.dtype)
+    assert err <= tol, f"{what}: rel L2 {err:.2e} > {tol:.1e}"
+
+
+def case_lengths(case: Case) -> list[int]:
+    """The sequence lengths of a matrix case (its ``lengths`` axis, resolved for its scheme and page size)."""
+    return lengths_for(case.get("lengths"), case.scheme_obj, case.page_size)
+

@@ -41,30 +41,21 @@ def run_decode(case: hz.Case, lengths, *, config=None, seed=0, window=0, softcap
     return out, ref, cache, q
 
 
-def check(case: hz.Case, out: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
-    assert not torch.isnan(out).any(), f"{what}: NaN in the output (a poisoned slot leaked)"
-    err = hz.rel_l2(out, ref)
-    tol = hz.tolerance(case.scheme_obj, case.dtype)
-    assert err <= tol, f"{what}: rel L2 {err:.2e} > {tol:.1e}"
-
-
-def case_lengths(case: hz.Case) -> list[int]:
-    return hz.lengths_for(case.get("lengths"), case.scheme_obj, case.page_size)
 
 
 @pytest.mark.parametrize("case", hz.kernel_specs(AXES, rotations=4))
 def test_decode_matrix(case):
-    lengths = case_lengths(case)
+    lengths = hz.case_lengths(case)
     out, ref, *_ = run_decode(case, lengths)
-    check(case, out, ref, f"lengths {lengths}")
+    hz.check(case, out, ref, f"lengths {lengths}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", hz.kernel_specs(AXES, full=True))
 def test_decode_matrix_full(case):
-    lengths = case_lengths(case)
+    lengths = hz.case_lengths(case)
     out, ref, *_ = run_decode(case, lengths)
-    check(case, out, ref, f"lengths {lengths}")
+    hz.check(case, out, ref, f"lengths {lengths}")
 
 
 def _one_case(scheme: str, head_dim=64, gqa=4, page=16, dtype=None) -> hz.Case:
@@ -89,7 +80,7 @@ def test_decode_splits(scheme, splits, ppt):
     if splits > 8:  # more splits than one reduce chunk: needs as many pages
         lengths[0] = hz.residual_window(case.scheme_obj) + 11 * case.page_size - 3
     out, ref, *_ = run_decode(case, lengths, config={"num_splits": splits, "pages_per_tile": ppt})
-    check(case, out, ref, f"{splits} splits")
+    hz.check(case, out, ref, f"{splits} splits")
 
 
 @pytest.mark.parametrize("scheme", hz.scheme_matrix())
@@ -97,7 +88,7 @@ def test_decode_splits(scheme, splits, ppt):
 def test_decode_multi_page_tiles(scheme, ppt):
     case = _one_case(scheme, head_dim=96, gqa=8, page=16, dtype=torch.float32 if hz.on_cpu() else None)
     out, ref, *_ = run_decode(case, _long_lengths(case), config={"num_splits": 1, "pages_per_tile": ppt}, seed=3)
-    check(case, out, ref, f"{ppt} pages per tile")
+    hz.check(case, out, ref, f"{ppt} pages per tile")
 
 
 @pytest.mark.parametrize("scheme", hz.scheme_matrix())
@@ -107,7 +98,7 @@ def test_decode_sliding_window(scheme):
     lengths = _long_lengths(case) + [window - 1, window + 1]
     out, ref, cache, q = run_decode(case, lengths, window=window, config={"num_splits": 3, "pages_per_tile": 1},
                                     seed=5)
-    check(case, out, ref, f"window {window}")
+    hz.check(case, out, ref, f"window {window}")
     # the window must matter: full attention gives a different answer
     full = hz.reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], sm_scale=case.head_dim ** -0.5)
     assert hz.rel_l2(full, ref) > 10 * hz.tolerance(case.scheme_obj, case.dtype)
@@ -121,7 +112,7 @@ def test_decode_softcap(scheme):
     lengths = _long_lengths(case)
     out, ref, cache, q = run_decode(case, lengths, softcap=softcap, q_scale=6.0,
                                     config={"num_splits": 2, "pages_per_tile": 2}, seed=7)
-    check(case, out, ref, f"softcap {softcap}")
+    hz.check(case, out, ref, f"softcap {softcap}")
     uncapped = hz.reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], sm_scale=case.head_dim ** -0.5)
     assert hz.rel_l2(uncapped, ref) > 10 * hz.tolerance(case.scheme_obj, case.dtype)
 
@@ -133,7 +124,7 @@ def test_decode_zero_length(scheme, splits):
     P = case.page_size
     lengths = [0, hz.residual_window(case.scheme_obj) + P + 1, 0]
     out, ref, *_ = run_decode(case, lengths, config={"num_splits": splits, "pages_per_tile": 1}, seed=11)
-    check(case, out, ref, "length-0 rows")
+    hz.check(case, out, ref, "length-0 rows")
     assert torch.equal(out[0].float().cpu(), torch.zeros_like(out[0].float().cpu()))
     assert torch.equal(out[2].float().cpu(), torch.zeros_like(out[2].float().cpu()))
     # an all-empty batch: zeros, no NaN
@@ -164,7 +155,7 @@ def test_decode_default_config_and_candidates(scheme):
     lengths = _long_lengths(case)
     for c in (cands[-1],):
         out, ref, *_ = run_decode(case, lengths, config=c, seed=13)
-        check(case, out, ref, f"candidate {c}")
+        hz.check(case, out, ref, f"candidate {c}")
 
 
 def test_decode_rejects_bad_inputs():
@@ -197,12 +188,12 @@ def test_decode_gpu_real_size(scheme):
     case = _gpu_case(scheme)
     lengths = [4096, 4096 - 7, 1, 2048 + 3]
     out, ref, *_ = run_decode(case, lengths, dev="cuda")
-    check(case, out, ref, "default config")
+    hz.check(case, out, ref, "default config")
     mod = hz.load_op("decode", scheme, case.head_dim, 8, 8, case.page_size, case.dtype, dev="cuda")
     cands = mod.candidates(len(lengths), 4096)
     for c in cands[:: max(1, len(cands) // 6)]:
         out, ref, *_ = run_decode(case, lengths, config=c, dev="cuda")
-        check(case, out, ref, f"candidate {c}")
+        hz.check(case, out, ref, f"candidate {c}")
 
 
 @pytest.mark.gpu

@@ -16,7 +16,7 @@ import torch
 from kvgen.runtime.pools import allocate_pool
 
 from . import harness as hz
-from .test_decode_matrix import check, run_decode
+from .test_decode_matrix import run_decode
 
 KIVI = ("int4", "int2")
 # (head_dim, page, compute dtype): the odd value groups and both interpreter dtypes.
@@ -98,4 +98,4 @@ def test_decode_head_dim_80(name, dtype):
     w = hz.residual_window(s)
     lengths = [w + 5 * 16 + 3, 1, w + 16, w + 2 * 16 - 1]
     out, ref, *_ = run_decode(case, lengths, config={"num_splits": 2, "pages_per_tile": 2}, seed=21)
-    check(case, out, ref, f"D=80 lengths {lengths}")
+    hz.check(case, out, ref, f"D=80 lengths {lengths}")

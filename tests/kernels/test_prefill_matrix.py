@@ -169,15 +169,6 @@ def _reference(q, ks, vs, positions, window, softcap, sm_scale):
     return torch.cat(parts, dim=1)
 
 
-def check(case: hz.Case, out: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
-    assert not torch.isnan(out).any(), f"{what}: NaN in the output (a row left unwritten or a poisoned slot leaked)"
-    err = hz.rel_l2(out, ref)
-    tol = hz.tolerance(case.scheme_obj, case.dtype)
-    assert err <= tol, f"{what}: rel L2 {err:.2e} > {tol:.1e}"
-
-
-def case_lengths(case: hz.Case) -> list[int]:
-    return hz.lengths_for(case.get("lengths"), case.scheme_obj, case.page_size)
 
 
 def _one_case(scheme: str, head_dim=64, gqa=4, page=16, dtype=None, num_kv_heads=2) -> hz.Case:
@@ -200,22 +191,22 @@ def _long_lengths(case: hz.Case) -> list[int]:
 
 @pytest.mark.parametrize("case", hz.kernel_specs({**AXES, "tiles": ("default", "small")}, rotations=2))
 def test_prefill_matrix(case):
-    lengths = case_lengths(case)
+    lengths = hz.case_lengths(case)
     qlens = chunk_lens(lengths, case.get("chunk"), case.page_size)
     config = small_tiles(case) if case.get("tiles") == "small" else None
     out, ref, _ = run_prefill(case, lengths, qlens, config=config, seed=case.head_dim + case.gqa,
                               fresh=case.get("kv") == "fresh")
-    check(case, out, ref, f"lengths {lengths}, qlens {qlens}, kv {case.get('kv')}")
+    hz.check(case, out, ref, f"lengths {lengths}, qlens {qlens}, kv {case.get('kv')}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", hz.kernel_specs(AXES, full=True))
 def test_prefill_matrix_full(case):
-    lengths = case_lengths(case)
+    lengths = hz.case_lengths(case)
     qlens = chunk_lens(lengths, case.get("chunk"), case.page_size)
     out, ref, _ = run_prefill(case, lengths, qlens, seed=case.head_dim + case.gqa + case.page_size,
                               fresh=case.get("kv") == "fresh")
-    check(case, out, ref, f"lengths {lengths}, qlens {qlens}, kv {case.get('kv')}")
+    hz.check(case, out, ref, f"lengths {lengths}, qlens {qlens}, kv {case.get('kv')}")
 
 
 @pytest.mark.parametrize("scheme", hz.scheme_matrix())
@@ -227,7 +218,7 @@ def test_prefill_tiles(scheme, block_m, ppt):
     lengths = _long_lengths(case)
     qlens = [lengths[0], 0, 2 * case.page_size + 1, 5]
     out, ref, _ = run_prefill(case, lengths, qlens, config={"block_m": block_m, "pages_per_tile": ppt}, seed=3)
-    check(case, out, ref, f"block_m {block_m}, {ppt} pages per tile")
+    hz.check(case, out, ref, f"block_m {block_m}, {ppt} pages per tile")
 
 
 @pytest.mark.parametrize("scheme", hz.scheme_matrix())
@@ -238,14 +229,14 @@ def test_prefill_append_matches_prefill(scheme):
     hq = case.num_kv_heads * case.gqa
     q_full = hz.random_q(sum(lengths), hq, case.head_dim, case.dtype, hz.device(), seed=22)
     out_full, ref_full, _ = run_prefill(case, lengths, lengths, q=q_full, seed=21)
-    check(case, out_full, ref_full, "whole prefill")
+    hz.check(case, out_full, ref_full, "whole prefill")
     # the same query rows, appended: the last tail[b] rows of each sequence
     tail = [7, 2, 1, case.page_size + 1]
     ends = list(itertools.accumulate(lengths))
     rows = torch.cat([torch.arange(e - t, e) for e, t in zip(ends, tail)])
     out, ref, _ = run_prefill(case, lengths, tail, q=q_full[rows.to(q_full.device)].contiguous(), seed=21,
                               config=small_tiles(case))
-    check(case, out, ref, "append")
+    hz.check(case, out, ref, "append")
     assert torch.allclose(ref, ref_full[rows], rtol=1e-12, atol=1e-12)
     assert hz.rel_l2(out, out_full[rows.to(out_full.device)]) <= hz.tolerance(case.scheme_obj, case.dtype)
 
@@ -270,7 +261,7 @@ def test_prefill_fresh_chunk_boundaries(scheme):
     case = _one_case(scheme, gqa=2, num_kv_heads=2)
     lengths, qlens = _boundary_batch(case)
     out, ref, _ = run_prefill(case, lengths, qlens, config=small_tiles(case), seed=17, fresh=True)
-    check(case, out, ref, f"fresh chunks, lengths {lengths}, qlens {qlens}")
+    hz.check(case, out, ref, f"fresh chunks, lengths {lengths}, qlens {qlens}")
 
 
 QUANTIZED = ("int8", "fp8", "int4", "int2")  # two per-token and two residual schemes
@@ -293,9 +284,9 @@ def test_prefill_fresh_differs_from_pages(scheme):
     qlens = [w + 2 * P + 1, P + 2]
     tol = hz.tolerance(case.scheme_obj, case.dtype)
     out_p, ref_p, _ = run_prefill(case, lengths, qlens, config=small_tiles(case), seed=19)
-    check(case, out_p, ref_p, "all keys from the pages")
+    hz.check(case, out_p, ref_p, "all keys from the pages")
     out_f, ref_f, _ = run_prefill(case, lengths, qlens, config=small_tiles(case), seed=19, fresh=True, strided=True)
-    check(case, out_f, ref_f, "chunk from k_new/v_new")
+    hz.check(case, out_f, ref_f, "chunk from k_new/v_new")
     apart = hz.rel_l2(ref_f, ref_p)
     assert apart > tol, f"the case does not separate the two key sources ({apart:.1e})"
     moved = hz.rel_l2(out_f, out_p)
@@ -311,7 +302,7 @@ def test_prefill_sliding_window(scheme, tiles, kv):
     qlens = [lengths[0], 1, 9, lengths[3], window - 1, 3]
     cfg = small_tiles(case) if tiles == "small" else None
     out, ref, reference = run_prefill(case, lengths, qlens, window=window, config=cfg, seed=5, fresh=kv == "fresh")
-    check(case, out, ref, f"window {window}, kv {kv}")
+    hz.check(case, out, ref, f"window {window}, kv {kv}")
     # the window must matter: full attention gives a different answer
     full_ref = reference(window=0)
     assert hz.rel_l2(full_ref, ref) > 10 * hz.tolerance(case.scheme_obj, case.dtype)
@@ -328,7 +319,7 @@ def test_prefill_softcap(scheme, window, kv):
     # large logits so the cap bites
     out, ref, reference = run_prefill(case, lengths, qlens, softcap=softcap, window=window, q_scale=6.0, config=cfg,
                                       seed=7, fresh=kv == "fresh")
-    check(case, out, ref, f"softcap {softcap}, window {window}, kv {kv}")
+    hz.check(case, out, ref, f"softcap {softcap}, window {window}, kv {kv}")
     uncapped = reference(window=window)
     assert hz.rel_l2(uncapped, ref) > 10 * hz.tolerance(case.scheme_obj, case.dtype)
 
@@ -339,7 +330,7 @@ def test_prefill_empty_rows_and_batch(scheme):
     case = _one_case(scheme, gqa=4)
     lengths = [case.page_size + 1, 3, case.page_size]
     out, ref, _ = run_prefill(case, lengths, [0, 3, 0], seed=11)
-    check(case, out, ref, "only the middle sequence has queries")
+    hz.check(case, out, ref, "only the middle sequence has queries")
     dev = hz.device()
     cache = hz.make_cache(case.scheme_obj, case.head_dim, case.num_kv_heads, case.page_size, lengths, case.dtype,
                           device=dev, seed=11)
@@ -370,7 +361,7 @@ def test_prefill_default_config_and_candidates(scheme):
     qlens = chunk_lens(lengths, "append", case.page_size)
     for c in (cands[0], cands[-1]):
         out, ref, _ = run_prefill(case, lengths, qlens, config=c, seed=13)
-        check(case, out, ref, f"candidate {c}")
+        hz.check(case, out, ref, f"candidate {c}")
 
 
 def test_prefill_rejects_bad_inputs():
@@ -422,14 +413,14 @@ def test_prefill_gpu_real_size(scheme, chunk):
     lengths = [4096] if chunk == "prefill" else [4096, 4096 - 17, 1000]
     qlens = [4096] if chunk == "prefill" else [512, 17, 1]
     out, ref, _ = run_prefill(case, lengths, qlens, dev="cuda")
-    check(case, out, ref, "default config")
+    hz.check(case, out, ref, "default config")
     mod = hz.load_op("prefill", scheme, case.head_dim, 8, 8, case.page_size, case.dtype, dev="cuda")
     cands = mod.candidates(len(lengths), max(qlens), 4096)
     for c in cands[:: max(1, len(cands) // 4)]:
         out, ref, _ = run_prefill(case, lengths, qlens, config=c, dev="cuda")
-        check(case, out, ref, f"candidate {c}")
+        hz.check(case, out, ref, f"candidate {c}")
     out, ref, _ = run_prefill(case, lengths, qlens, dev="cuda", fresh=True)
-    check(case, out, ref, "default config, chunk from k_new/v_new")
+    hz.check(case, out, ref, "default config, chunk from k_new/v_new")
 
 
 @pytest.mark.gpu
