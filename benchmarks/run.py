@@ -359,7 +359,6 @@ def main(argv=None) -> int:
         (out_dir / "results.json").write_text(json.dumps(dict(header, records=done), indent=1, default=str) + "\n")
 
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s on {gpu}", flush=True)
-    records = []
     ops = args.ops.split(",")
     steps = {"decode": lambda: decode_records(schemes, shapes, copy_bw, log),
              "write": lambda: write_records(schemes, copy_bw, log),
@@ -368,11 +367,10 @@ def main(argv=None) -> int:
     for op, step in steps.items():
         if op in ops:
             try:
-                records += step()
+                step()  # its records reach `done` through log()
             except Exception as exc:  # one failing op must not cost the others' numbers
                 print(f"{op} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-    records = done  # every logged record, those of an op that failed part-way included
-    (out_dir / "results.json").write_text(json.dumps(dict(header, records=records), indent=1, default=str) + "\n")
+    records = done  # every logged record (log() has written results.json already), failed ops' included
     plot(records, out_dir / "bandwidth.png")
     print(f"\n{gpu}, torch {torch.__version__}, triton {triton.__version__}, copy bandwidth {copy_bw / 1e12:.3f} TB/s, {date}")
     print(table(records))

@@ -266,15 +266,19 @@ class Scheme:
         if self.head_dims is not None and head_dim not in self.head_dims:
             raise SchemeCapabilityError(
                 f"scheme {self.name} does not support head_dim {head_dim} (supported: {list(self.head_dims)}); pick another --kv")
+        self.check_page_size(page_size)
+        if arch is not None and arch and arch < self.min_arch:
+            raise SchemeCapabilityError(
+                f"scheme {self.name} needs compute capability {self.min_arch / 10:.1f}+, the target has {arch / 10:.1f}; pick another --kv")
+
+    def check_page_size(self, page_size: int) -> None:
+        """Raise SchemeCapabilityError unless pages of ``page_size`` tokens suit this scheme (declared, and whole residual pages)."""
         if page_size not in self.page_sizes:
             raise SchemeCapabilityError(
                 f"scheme {self.name} does not support page size {page_size} (supported: {list(self.page_sizes)}); pass --page-size")
         if self.residual_tokens and self.residual_tokens % page_size:
             raise SchemeCapabilityError(
                 f"scheme {self.name} keeps {self.residual_tokens} residual tokens, not a whole number of {page_size}-token pages; pass another --page-size")
-        if arch is not None and arch and arch < self.min_arch:
-            raise SchemeCapabilityError(
-                f"scheme {self.name} needs compute capability {self.min_arch / 10:.1f}+, the target has {arch / 10:.1f}; pick another --kv")
 
     def residual_pages(self, page_size: int) -> int:
         """Full pages a sequence keeps in the compute dtype (besides its partial tail page)."""

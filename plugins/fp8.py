@@ -26,19 +26,10 @@ from __future__ import annotations
 import torch
 
 from kvgen.plugin_api import PageTensor, Scheme, hookimpl
+
+from .int8 import quantize_tokens
+
 E4M3_MAX = 448.0
-
-
-def quantize_tokens(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token scaling of ``x [..., D]``: (y = x / scale, scale = amax / qmax), float32.
-
-    An all-zero token divides by 1 (and keeps scale 0); same operation order as the macros.
-    """
-    x = x.float()
-    amax = x.abs().amax(-1)
-    scale = amax / qmax
-    div = torch.where(amax > 0, scale, torch.ones_like(scale))
-    return x / div[..., None], scale
 
 
 class Fp8Scheme(Scheme):

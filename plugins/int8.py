@@ -28,8 +28,8 @@ import torch
 from kvgen.plugin_api import PageTensor, Scheme, hookimpl
 
 
-def quantize_tokens(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token symmetric scaling of ``x [..., D]``: (y = x / scale, scale [...], amax [...]).
+def quantize_tokens(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric scaling of ``x [..., D]``: (y = x / scale, scale [...]), shared by int8 and fp8.
 
     ``scale = amax / qmax``; an all-zero token divides by 1 (and keeps scale 0).
     Float32 throughout, in the same operation order as the kernels' macros.
@@ -38,7 +38,7 @@ def quantize_tokens(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.T
     amax = x.abs().amax(-1)
     scale = amax / qmax
     div = torch.where(amax > 0, scale, torch.ones_like(scale))
-    return x / div[..., None], scale, amax
+    return x / div[..., None], scale
 
 
 class Int8Scheme(Scheme):
@@ -61,7 +61,7 @@ class Int8Scheme(Scheme):
 
     @staticmethod
     def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y, scale, _ = quantize_tokens(x, 127.0)
+        y, scale = quantize_tokens(x, 127.0)
         code = torch.trunc(y + torch.where(y >= 0, 0.5, -0.5)).clamp(-127, 127)
         return code.to(torch.int8), scale
 

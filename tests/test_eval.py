@@ -386,7 +386,7 @@ def test_reference_matches_kernels_chunked(stories, name):
     """
     pytest.importorskip("kvgen.integrations.transformers", reason="the HF integration is not there yet")
     from kvgen.eval.cache import PagedReferenceCache
-    from kvgen.eval.runner import _forward, attach_copy
+    from kvgen.eval.runner import _cache_kwarg, _forward, attach_copy
 
     model, docs = stories
     (scheme, fp32) = _schemes(name, "fp32")
@@ -397,7 +397,7 @@ def test_reference_matches_kernels_chunked(stories, name):
     def run(m, cache):
         out, start = [], 0
         for c in chunks:
-            logits, cache = _forward(m, ids[:, start:start + c], cache)
+            logits, cache = _forward(m, ids[:, start:start + c], cache, _cache_kwarg(m))
             out.append(logits.float())
             start += c
         return torch.cat(out, 1)[0].double()

@@ -32,7 +32,7 @@ def _generate(model_dir: str, rank: int, world: int, cache_dir: str, device: str
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     shard_model(model, rank, world)
     model.to(device)
-    attach(model, scheme="fp32", max_tokens=1024, autotune=False, tp_rank=rank, tp_size=world, device=device)
+    attach(model, scheme="fp32", max_tokens=1024, autotune=False, device=device)  # rank/size from shard_model
     ids = tok(PROMPT, return_tensors="pt").input_ids.to(device)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -121,3 +121,14 @@ def test_head_shard_split_and_replicate():
         head_shard(8, 4, 0, 3)
     with pytest.raises(TensorParallelError):
         head_shard(12, 4, 0, 6)
+
+
+def test_attach_refuses_a_shard_that_contradicts_shard_model(shared_data):
+    from transformers import AutoModelForCausalLM
+
+    from kvgen.integrations.transformers import KvgenIntegrationError, attach
+
+    model = AutoModelForCausalLM.from_pretrained(str(shared_data / "models" / "stories260K"), dtype=torch.float32)
+    model._kvgen_tp = {"rank": 1, "world_size": 2}  # what shard_model(model, 1, 2) records
+    with pytest.raises(KvgenIntegrationError, match="rank 1 of 2"):
+        attach(model, scheme="fp32", max_tokens=256, autotune=False, tp_rank=0, tp_size=2)

@@ -57,9 +57,9 @@ def plan_scheme(plan: Plan, registry: Registry | None = None) -> Scheme:
     return scheme
 
 
-def kernel_specs(plan: Plan, registry: Registry | None = None) -> dict[str, KernelSpec]:
-    """One KernelSpec per op the plan's scheme needs."""
-    scheme = plan_scheme(plan, registry)
+def kernel_specs(plan: Plan, registry: Registry | None = None, scheme: Scheme | None = None) -> dict[str, KernelSpec]:
+    """One KernelSpec per op the plan's scheme needs (``scheme``: :func:`plan_scheme`'s result, if the caller has it)."""
+    scheme = scheme or plan_scheme(plan, registry)
     ops = ["decode", "prefill", "cache_write", "dequant", "page_copy"]
     if scheme.residual_tokens is not None:
         ops.append("page_quantize")
@@ -126,7 +126,7 @@ def render_package(plan: Plan, registry: Registry | None = None) -> dict[str, st
     """Every file of the package, path -> text, rendered in memory."""
     registry = registry or default_registry()
     scheme = plan_scheme(plan, registry)
-    specs = kernel_specs(plan, registry)
+    specs = kernel_specs(plan, registry, scheme)
     files: dict[str, str] = {}
     for op, spec in specs.items():
         files[f"kernels/{op}.py"] = render_kernel(spec, scheme, registry)

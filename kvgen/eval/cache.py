@@ -54,6 +54,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvgen.eval import EvalError
+from kvgen.integrations.hf_config import head_dim, text_config
 from kvgen.schemes import Scheme
 
 
@@ -63,6 +64,7 @@ class _Group:
     def __init__(self, scheme: Scheme, rows: list[int]):
         self.scheme = scheme
         self.rows = rows
+        self.index: torch.Tensor | None = None  # rows as a device tensor, set once the device is known
         self.num_compressed = 0  # compressed pages per row (all rows have the same length)
         self.stored: list[tuple[int, int, dict[str, torch.Tensor]]] = []
         """(first token, tokens, page tensors [rows, pages, H, *shape]) per quantize call."""
@@ -98,6 +100,8 @@ class PagedReferenceLayer(CacheLayerMixin):
             raise EvalError(f"the cache was built for {len(self.schemes)} batch rows (one scheme each), "
                             f"the model fed {b}; build it with one scheme per row")
         self.device = key_states.device
+        for group in self.groups:
+            group.index = torch.tensor(group.rows, device=self.device)
         self.num_kv_heads, self.head_dim = h, d
         self._alloc(4 * self.page_size)
         self.is_initialized = True
@@ -180,7 +184,7 @@ class PagedReferenceLayer(CacheLayerMixin):
         sl = slice(first, first + pages * p)
         # [R, H, pages*P, D] -> [R, pages, H, P, D] -> [R*pages*H, P, D]: one block per (row, page, head).
         def blocks(x: torch.Tensor) -> torch.Tensor:
-            x = x[rows, :, sl] if len(rows) < len(self.schemes) else x[:, :, sl]
+            x = x[group.index, :, sl] if len(rows) < len(self.schemes) else x[:, :, sl]
             return x.reshape(len(rows), h, pages, p, d).transpose(1, 2).reshape(-1, p, d).contiguous()
 
         kb, vb = blocks(self.keys), blocks(self.values)
@@ -199,9 +203,8 @@ class PagedReferenceLayer(CacheLayerMixin):
             self.keys[:, :, start:end] = k
             self.values[:, :, start:end] = v
         else:
-            idx = torch.tensor(group.rows, device=self.device)
-            self.keys[idx, :, start:end] = k
-            self.values[idx, :, start:end] = v
+            self.keys[group.index, :, start:end] = k
+            self.values[group.index, :, start:end] = v
 
     def _quantize_tokens(self, group: _Group, start: int, end: int) -> None:
         """Per-token scheme: quantize tokens [start, end) in page-shaped chunks (tail zero-padded)."""
@@ -264,12 +267,7 @@ class PagedReferenceCache(Cache):
         if not schemes:
             raise EvalError("a reference cache needs at least one scheme")
         for s in schemes:
-            if page_size not in s.page_sizes:
-                raise EvalError(f"scheme {s.name} does not support page size {page_size} "
-                                f"(supported: {list(s.page_sizes)}); pass another --page-size")
-            if s.residual_tokens and s.residual_tokens % page_size:
-                raise EvalError(f"scheme {s.name} keeps {s.residual_tokens} residual tokens, not a whole number "
-                                f"of {page_size}-token pages; pass another --page-size")
+            s.check_page_size(page_size)
         self.schemes = list(schemes)
         self.page_size = page_size
         super().__init__(layers=[PagedReferenceLayer(schemes, page_size, compute_dtype)
@@ -278,12 +276,11 @@ class PagedReferenceCache(Cache):
     @classmethod
     def for_model(cls, model, schemes: Sequence[Scheme], page_size: int = 16) -> "PagedReferenceCache":
         """A cache sized from ``model.config`` (decoder layers), in the model's dtype."""
-        config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model.config)
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise EvalError(f"model {getattr(config, 'model_type', '?')} uses a sliding window; "
                             "kvgen eval's reference cache covers full attention only")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         for s in schemes:
-            s.check(head_dim, page_size)
+            s.check(head_dim(model.config), page_size)
         dtype = next(model.parameters()).dtype
         return cls(schemes, config.num_hidden_layers, page_size, dtype)

@@ -184,10 +184,7 @@ def evaluate_files(model_path: str, gguf: str | None, text: str, kv: str | Seque
     if window < 2:
         raise EvalError(f"--window must be at least 2 tokens, got {window}")
     for s in schemes:  # the cheap checks before the (slow) model load; head dims are checked once it is loaded
-        if page_size not in s.page_sizes or (s.residual_tokens and s.residual_tokens % page_size):
-            raise EvalError(f"scheme {s.name} does not support page size {page_size} (supported: "
-                            f"{[p for p in s.page_sizes if not s.residual_tokens or s.residual_tokens % p == 0]}); "
-                            "pass another --page-size")
+        s.check_page_size(page_size)
     device = resolve_device(device)
     backend = resolve_backend(backend, device)
     folder, gguf = assets.resolve_model_path(model_path, gguf)

@@ -46,6 +46,7 @@ from kvgen.eval import BACKENDS, EvalError
 from kvgen.eval.assets import Window
 from kvgen.eval.cache import PagedReferenceCache
 from kvgen.eval.metrics import SchemeScore, score
+from kvgen.integrations.hf_config import head_dim as hf_head_dim
 from kvgen.schemes import Scheme, parse_scheme_spec, resolve_scheme
 
 BASELINE = "fp32"
@@ -95,11 +96,6 @@ def resolve_schemes(spec: str | Sequence[str], registry_schemes: dict[str, Schem
     return list(out.values())
 
 
-def model_head_dim(model) -> int:
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 # -- running one window -----------------------------------------------------------------
 
 def _cache_kwarg(model) -> str:
@@ -107,8 +103,8 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _forward(model, ids: torch.Tensor, cache):
-    kw = {} if cache is None else {_cache_kwarg(model): cache}
+def _forward(model, ids: torch.Tensor, cache, cache_kw: str):
+    kw = {} if cache is None else {cache_kw: cache}
     out = model(input_ids=ids, use_cache=True, **kw)
     new_cache = getattr(out, "cache", None)
     if new_cache is None:
@@ -125,12 +121,13 @@ def run_window(model, ids: torch.Tensor, prefill: int, cache=None, progress: Pro
     position ``t`` predicts ``ids[:, t+1]``; the first ``prefill`` come from the prefill.
     """
     n = ids.shape[1]
-    logits, cache = _forward(model, ids[:, :prefill], cache)
+    cache_kw = _cache_kwarg(model)  # inspect once per window, not per decoded token
+    logits, cache = _forward(model, ids[:, :prefill], cache, cache_kw)
     steps = [logits.float()]
     if progress:
         progress(prefill)
     for t in range(prefill, n - 1):
-        logits, cache = _forward(model, ids[:, t:t + 1], cache)
+        logits, cache = _forward(model, ids[:, t:t + 1], cache, cache_kw)
         steps.append(logits.float())
         if progress:
             progress(1)
@@ -156,7 +153,7 @@ def evaluate(model, windows: Sequence[Window], run: EvalRun, progress: Progress 
     """Score every scheme of ``run`` on ``windows``; one JSON-able dict per scheme (see ``result_row``)."""
     if not windows:
         raise EvalError("the text gave no window of 2 tokens or more; pass a longer text or a larger --max-tokens")
-    head_dim = model_head_dim(model)
+    head_dim = hf_head_dim(model.config)
     for s in run.schemes:
         s.check(head_dim, run.page_size)
     baseline = _baseline_scheme()

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kvgen.errors import KvgenError
+from kvgen.integrations.hf_config import head_dim as hf_head_dim, text_config
 
 
 class TensorParallelError(KvgenError):
@@ -88,9 +89,9 @@ def shard_model(model: nn.Module, rank: int, world_size: int, group: Any = None)
         return model
     if not dist.is_initialized():
         raise TensorParallelError("torch.distributed is not initialized; call init_process_group first")
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model.config)
     hq, hkv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    head_dim = hf_head_dim(cfg)
     inter = cfg.intermediate_size
     if inter % world_size:
         raise TensorParallelError(f"{world_size} ranks do not divide the intermediate size {inter}")

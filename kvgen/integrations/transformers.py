@@ -62,6 +62,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from kvgen import env
 from kvgen.errors import KvgenError
+from kvgen.integrations.hf_config import text_config
 from kvgen.runtime.errors import OutOfPages
 
 ATTN_NAME = "kvgen"
@@ -81,7 +82,7 @@ def model_spec(config: Any, name: str | None = None):
     """A kvgen ModelSpec from a transformers config object."""
     from kvgen.models import spec_from_config
 
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     raw = {k: v for k, v in text.to_dict().items() if v is not None}
     if name is None:
         name = Path(str(getattr(config, "_name_or_path", "") or "")).name or getattr(text, "model_type", "model")
@@ -477,7 +478,7 @@ def _hook_generate(model: Any, runtime: Any) -> None:
 def attach(model: Any, scheme: str = "int8", max_tokens: int | None = None,
            device: torch.device | str | None = None, *, target: str | None = None, context: int | None = None,
            concurrency: int = 1, page_size: int | None = None, autotune: bool = True,
-           max_seqs: int | None = None, tp_rank: int = 0, tp_size: int = 1) -> KvgenCache:
+           max_seqs: int | None = None, tp_rank: int | None = None, tp_size: int | None = None) -> KvgenCache:
     """Make ``model.generate(...)`` run on kvgen pages and kernels; returns a fresh :class:`KvgenCache`.
 
     ``scheme``: a kvgen scheme (``fp32``, ``fp16``, ``bf16``, ``int8``,
@@ -493,17 +494,25 @@ def attach(model: Any, scheme: str = "int8", max_tokens: int | None = None,
     process's tensor-parallel shard, for a model already cut with
     ``kvgen.integrations.tensor_parallel.shard_model`` (the plan is made for
     the whole model with ``--tp tp_size``; the runtime holds this rank's KV heads).
+    Both default to what ``shard_model`` recorded on the model (0 and 1 for an
+    unsharded model); values that contradict it raise KvgenIntegrationError.
     """
+    sharded = getattr(model, "_kvgen_tp", None)
+    if sharded is not None and (tp_rank, tp_size) != (None, None) and \
+            (tp_rank, tp_size) != (sharded["rank"], sharded["world_size"]):
+        raise KvgenIntegrationError(
+            f"the model was sharded for rank {sharded['rank']} of {sharded['world_size']}, not rank {tp_rank} of "
+            f"{tp_size}; pass tp_rank={sharded['rank']}, tp_size={sharded['world_size']} (or neither)")
+    if tp_rank is None:
+        tp_rank = sharded["rank"] if sharded else 0
+    if tp_size is None:
+        tp_size = sharded["world_size"] if sharded else 1
     if getattr(model, "_kvgen", None) is not None:
         detach(model)
     register()
     device = torch.device(device) if device is not None else model.device
     plan = plan_for_model(model, scheme, device=device, target=target, context=context,
                           concurrency=concurrency, page_size=page_size, tp=tp_size)
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    if plan.head_dim != head_dim:
-        raise KvgenIntegrationError(f"planned head_dim {plan.head_dim} differs from the model's {head_dim}")
     package = compile_for_model(plan)
     if max_tokens is None:
         max_tokens = min(plan.capacity_tokens, max(plan.context * plan.concurrency, 16384))

@@ -188,11 +188,9 @@ class KVCache:
         self.num_kv_heads = int(self.plan["kv_heads_per_gpu"])
         self.num_q_heads = int(self.plan["q_heads_per_gpu"])
         self.head_dim = int(self.plan["head_dim"])
-        self.gqa_group = int(self.plan["gqa_group"])
         self.scheme = self.plan["scheme"]
         self.sm_scale = self.head_dim ** -0.5
         self.num_pages, self.num_residual_pages = pool_sizes(self.plan, max_tokens, max_seqs)
-        self.compressed_names = tuple(t["name"] for t in self.plan["page_tensors"])
 
         self.page_pool = PagePool(self.plan["page_tensors"], num_layers=self.num_layers, num_pages=self.num_pages,
                                   num_residual_pages=self.num_residual_pages, num_kv_heads=self.num_kv_heads,
@@ -367,14 +365,19 @@ class KVCache:
         """
         step = self._current(seq_ids)
         pools = self._layer(layer)
-        if layer in step.written:
-            raise KvgenRuntimeError(f"layer {layer} was already written this step; plan a new step first")
         k = self._as_input("k", k, step.total_tokens, self.num_kv_heads)
         v = self._as_input("v", v, step.total_tokens, self.num_kv_heads)
+        self._write(step, layer, pools, k, v)
+
+    def _write(self, step: StepMetadata, layer: int, pools: dict[str, torch.Tensor],
+               k: torch.Tensor, v: torch.Tensor) -> None:
+        # append_kv's body for inputs already checked by _as_input (prefill checks them once for both uses)
+        if layer in step.written:
+            raise KvgenRuntimeError(f"layer {layer} was already written this step; plan a new step first")
         single = len(step.phases) == 1
         for ph in step.phases:
             for pool, src, dst in ph.copies:
-                self.kernels["page_copy"].launch(self.pool_tensors(layer, pool), src, dst)
+                self.kernels["page_copy"].launch(self.page_pool.tensors(layer, pool), src, dst)
             if ph.end > ph.start:
                 if single:
                     self.kernels["cache_write"].launch(k, v, pools, ph.slot_mapping)
@@ -436,7 +439,7 @@ class KVCache:
         if k is not None:
             k = self._as_input("k", k, step.total_tokens, self.num_kv_heads)
             v = self._as_input("v", v, step.total_tokens, self.num_kv_heads)
-            self.append_kv(layer, None, k, v)
+            self._write(step, layer, pools, k, v)
         self._check_written(step, layer)
         q = self._as_input("q", q, step.total_tokens, self.num_q_heads)
         if out is None:
