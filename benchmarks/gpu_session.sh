@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup] [bench args...]
+# (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
-# NCCL test; carry .shared (a copy of ../shared, which does not travel) for stories260K.
+# NCCL test. KVGEN_GPU_TEST_SELECT narrows the tests (pytest arguments, default "tests"); carry .shared (a copy of ../shared, which does not travel) for stories260K.
 set -uo pipefail
 what="${1:-all}"; shift || true
 OUT="${OUT:-/tmp/kvgen-out}"; mkdir -p "$OUT"
@@ -22,7 +23,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # pytest-xdist workers when the machine has it, one process otherwise.
   par=""; python3 -c "import xdist" 2>/dev/null && par="-n ${KVGEN_GPU_TEST_WORKERS:-12}"
   timeout ${KVGEN_GPU_TEST_TIMEOUT:-420} python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -v -rfE \
-    --tb=short tests >"$OUT/pytest-gpu.log" 2>&1
+    --tb=short ${KVGEN_GPU_TEST_SELECT:-tests} >"$OUT/pytest-gpu.log" 2>&1
   grep -E "^(FAILED|ERROR)|(passed|failed|error)[^a-z]*in [0-9.]+s" "$OUT/pytest-gpu.log" | tail -20
 fi
 if [ "$what" = tp ]; then

@@ -183,6 +183,34 @@ def decode_records(schemes, shapes, copy_bw, log):
     return records
 
 
+def write_case(scheme, N, Hkv, D, *, prompt=True, device="cuda"):
+    """N new tokens' K/V (bf16, random) and the pool a cache write stores them in.
+
+    ``prompt``: consecutive slots of the prompt's own pages, the pages scattered
+    over the pool; otherwise one token per sequence anywhere in the pool (a
+    decode step). Residual schemes write the bf16 residual pool. Returns
+    ``(k, v, pools, slots, bytes)``, bytes = K/V read + pool bytes written + slot ids.
+    """
+    from kvgen.runtime.pools import allocate_pool
+
+    pages = max(64, 4 * N // PAGE)
+    if scheme.residual_tokens is None:
+        tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in scheme.page_tensors(D, PAGE)]
+    else:
+        tensors = [{"name": "rk", "dtype": "compute", "shape": [PAGE, D]},
+                   {"name": "rv", "dtype": "compute", "shape": [PAGE, D]}]
+    pools = allocate_pool(tensors, pages, Hkv, torch.bfloat16, device)
+    k = torch.randn(N, Hkv, D, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    if prompt:
+        own = torch.randperm(pages, device=device)[: N // PAGE]
+        slots = (own[:, None] * PAGE + torch.arange(PAGE, device=device)[None, :]).flatten().long()
+    else:
+        slots = torch.randperm(pages * PAGE, device=device)[:N].long()
+    written = sum(pools[t["name"]][0].numel() * pools[t["name"]].element_size() for t in tensors) / PAGE * N
+    return k, v, pools, slots, int(2 * k.numel() * k.element_size() + written + slots.numel() * 8)
+
+
 def write_records(schemes, copy_bw, log):
     """Cache write (quantize + scatter) of one decode step (32 tokens) and of a 4096-token prefill."""
     records = []
@@ -190,26 +218,9 @@ def write_records(schemes, copy_bw, log):
     for name in schemes:
         mod, scheme = kernel_module("cache_write", name, Hkv, 8, D)
         for N, label in ((32, "decode step"), (4096, "prefill 4096")):
-            from kvgen.runtime.pools import allocate_pool
-
-            pages = max(64, 4 * N // PAGE)
-            if scheme.residual_tokens is None:
-                tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in scheme.page_tensors(D, PAGE)]
-            else:
-                tensors = [{"name": "rk", "dtype": "compute", "shape": [PAGE, D]},
-                           {"name": "rv", "dtype": "compute", "shape": [PAGE, D]}]
-            pools = allocate_pool(tensors, pages, Hkv, torch.bfloat16, "cuda")
-            k = torch.randn(N, Hkv, D, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            if N == 32:  # a decode step: one token of each of 32 sequences, anywhere in the pool
-                slots = torch.randperm(pages * PAGE, device="cuda")[:N].long()
-            else:  # a prompt: consecutive slots of its own pages, the pages scattered over the pool
-                own = torch.randperm(pages, device="cuda")[: N // PAGE]
-                slots = (own[:, None] * PAGE + torch.arange(PAGE, device="cuda")[None, :]).flatten().long()
-            written = sum(pools[t["name"]][0].numel() * pools[t["name"]].element_size() for t in tensors) / PAGE * N
-            nbytes = 2 * k.numel() * k.element_size() + written + slots.numel() * 8
+            k, v, pools, slots, nbytes = write_case(scheme, N, Hkv, D, prompt=N != 32)
             ms = bench(lambda: mod.launch(k, v, pools, slots))
-            rec = dict(op="write", scheme=name, B=N, L=1, Hq=64, Hkv=Hkv, D=D, page_size=PAGE, ms=ms, bytes=int(nbytes),
+            rec = dict(op="write", scheme=name, B=N, L=1, Hq=64, Hkv=Hkv, D=D, page_size=PAGE, ms=ms, bytes=nbytes,
                        bw_fraction=nbytes / (ms * 1e-3) / copy_bw, sdpa_ms=None, rel_error=None, note=label)
             log(rec)
             records.append(rec)
