@@ -124,7 +124,7 @@ def poison_chunks(cache: hz.Cache, qlens) -> None:
 
 def prepare_prefill(case: hz.Case, lengths, qlens, *, seed=0, window=0, softcap=0.0, q_scale=1.0, dev=None, q=None,
                     fresh=False, strided=False):
-    """Build a cache (deterministic in ``seed``) and queries; return ``(launch, reference_fn, q)``.
+    """Build a cache (deterministic in ``seed``) and queries; return ``(launch, reference_fn)``.
 
     ``launch(config=None)`` runs the prefill kernel into a fresh poisoned output and
     returns it; ``reference_fn(window=..., softcap=...)`` is float64 attention over
@@ -158,13 +158,13 @@ def prepare_prefill(case: hz.Case, lengths, qlens, *, seed=0, window=0, softcap=
     def reference_fn(window=0, softcap=0.0):
         return _reference(q, ks, vs, positions, window, softcap, sm_scale)
 
-    return launch, reference_fn, q
+    return launch, reference_fn
 
 
 def run_prefill(case: hz.Case, lengths, qlens, *, config=None, seed=0, window=0, softcap=0.0, q_scale=1.0,
                 dev=None, q=None, fresh=False, strided=False):
     """One launch on a fresh cache (see prepare_prefill): returns (out, reference float64, reference_fn)."""
-    launch, reference_fn, _ = prepare_prefill(case, lengths, qlens, seed=seed, window=window, softcap=softcap,
+    launch, reference_fn = prepare_prefill(case, lengths, qlens, seed=seed, window=window, softcap=softcap,
                                               q_scale=q_scale, dev=dev, q=q, fresh=fresh, strided=strided)
     out = launch(config)
     return out, reference_fn(window, softcap), reference_fn
@@ -430,11 +430,11 @@ def test_prefill_gpu_real_size(scheme, chunk):
     # The default plus two candidates spread over the list: each one is a GPU compile of its own
     # (the CPU tests run the first and last tile shapes; warps and stages exist only on the GPU).
     configs = [None, *cands[1:][:: max(1, len(cands) // 2)][:2]]
-    launch, reference_fn, _ = prepare_prefill(case, lengths, qlens, dev="cuda")
+    launch, reference_fn = prepare_prefill(case, lengths, qlens, dev="cuda")
     ref = reference_fn()
     for c in configs:
         hz.check(case, launch(c), ref, f"config {c or 'default'}")
-    launch, reference_fn, _ = prepare_prefill(case, lengths, qlens, dev="cuda", fresh=True)
+    launch, reference_fn = prepare_prefill(case, lengths, qlens, dev="cuda", fresh=True)
     out, ref = launch(), reference_fn()
     hz.check(case, out, ref, "default config, chunk from k_new/v_new")
 
