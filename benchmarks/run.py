@@ -60,6 +60,15 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def checked_time(run, out: torch.Tensor, ref: torch.Tensor, rep_ms: int = 60) -> tuple[float, float]:
+    """Run once into ``out`` poisoned with NaN, check it against ``ref``, then time: ``(ms, rel. L2 error)``."""
+    out.fill_(float("nan"))
+    run()
+    torch.cuda.synchronize()
+    err = rel_l2(out.float(), ref)
+    return bench(run, rep_ms=rep_ms), err
+
+
 class DecodeCase:
     """Random K/V for B sequences of L tokens in one scheme's pages, shuffled page ids."""
 

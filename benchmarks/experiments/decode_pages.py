@@ -49,11 +49,7 @@ def main() -> int:
                     def run():
                         mod.launch(case.q, out, pools, bt, case.seq_lens, case.num_compressed, 1 / math.sqrt(D), cfg)
                     try:
-                        out.fill_(float("nan"))
-                        run()
-                        torch.cuda.synchronize()
-                        err = bench_run.rel_l2(out.float(), ref)
-                        ms = bench_run.bench(run, rep_ms=60)
+                        ms, err = bench_run.checked_time(run, out, ref)
                     except Exception as exc:
                         print(f"  {name} page {page} {cfg} failed: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
                         continue

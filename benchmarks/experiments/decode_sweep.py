@@ -63,11 +63,7 @@ def main(argv=None) -> int:
                             mod.launch(case.q, out, case.pools, case.block_tables, case.seq_lens,
                                        case.num_compressed, 1 / math.sqrt(D), cfg)
                         try:
-                            out.fill_(float("nan"))
-                            run()
-                            torch.cuda.synchronize()
-                            err = bench_run.rel_l2(out.float(), ref)
-                            ms = bench_run.bench(run, rep_ms=50)
+                            ms, err = bench_run.checked_time(run, out, ref, rep_ms=50)
                         except Exception as exc:  # out of registers / shared memory: skip
                             print(f"  {name} {cfg} failed: {type(exc).__name__}: {str(exc)[:100]}", file=sys.stderr)
                             continue

@@ -77,15 +77,11 @@ def _decode_case(name, shape):
     return mod, bench_run.DecodeCase(scheme, B, L, Hq, Hkv, D)
 
 
-def _timed(mod, case, cfg, ref=None):
-    out = torch.empty_like(case.q)
+def _decode_run(mod, case, out):
+    """``run(cfg)``: one decode launch of ``case`` into ``out`` with launch config ``cfg``."""
     sm = 1 / math.sqrt(case.D)
-    fn = lambda: mod.launch(case.q, out, case.pools, case.block_tables, case.seq_lens, case.num_compressed, sm, cfg)  # noqa: E731
-    out.fill_(float("nan"))
-    fn()
-    torch.cuda.synchronize()
-    err = bench_run.rel_l2(out.float(), ref) if ref is not None else None
-    return bench_run.bench(fn, rep_ms=60), err
+    return lambda cfg: mod.launch(case.q, out, case.pools, case.block_tables, case.seq_lens, case.num_compressed,
+                                  sm, cfg)
 
 
 def decode64_part(copy_bw, emit, deadline):
@@ -97,15 +93,11 @@ def decode64_part(copy_bw, emit, deadline):
                 return
             mod, case = _decode_case(name, shape)
             sdpa = bench_run.sdpa_decode_ms(case) if name == "bf16" else None
-            out = torch.empty_like(case.q)
-            sm = 1 / math.sqrt(case.D)
-            ms, cfg, _ = bench_run.best_config(
-                mod, lambda c: mod.launch(case.q, out, case.pools, case.block_tables, case.seq_lens,
-                                          case.num_compressed, sm, c), shape[0], shape[1])
+            run = _decode_run(mod, case, torch.empty_like(case.q))
+            ms, cfg, _ = bench_run.best_config(mod, run, shape[0], shape[1])
             emit(dict(part="decode64", what=f"{label} {name} best of candidates", shape=shape, ms=ms, cfg=cfg,
                       bytes=case.bytes, bw=case.bytes / (ms * 1e-3) / copy_bw, sdpa_ms=sdpa))
-            ms_g = bench_graph(lambda: mod.launch(case.q, out, case.pools, case.block_tables, case.seq_lens,
-                                                  case.num_compressed, sm, cfg))
+            ms_g = bench_graph(lambda: run(cfg))
             emit(dict(part="decode64", what=f"{label} {name} same config, cuda graph", shape=shape, ms=ms_g, cfg=cfg,
                       bytes=case.bytes, bw=case.bytes / (ms_g * 1e-3) / copy_bw))
             del case
@@ -114,6 +106,8 @@ def decode64_part(copy_bw, emit, deadline):
     shape = shapes["anchor D64 32/4"]
     mod, case = _decode_case("bf16", shape)
     ref = case.reference()
+    out = torch.empty_like(case.q)
+    run = _decode_run(mod, case, out)
     rows = []
     for tokens in (32, 64, 128, 256):
         for warps in (2, 4, 8):
@@ -123,7 +117,7 @@ def decode64_part(copy_bw, emit, deadline):
                         break
                     cfg = {"num_splits": splits, "pages_per_tile": tokens // PAGE, "num_warps": warps, "num_stages": stages}
                     try:
-                        ms, err = _timed(mod, case, cfg, ref)
+                        ms, err = bench_run.checked_time(lambda: run(cfg), out, ref)
                     except Exception as exc:  # shared memory / registers: skip
                         print(f"  {cfg} failed: {type(exc).__name__}: {str(exc)[:80]}", file=sys.stderr)
                         continue

@@ -192,6 +192,17 @@ class Case:
         return f"{self.scheme}-d{self.head_dim}-g{self.gqa}-p{self.page_size}-{self.compute_dtype}" + (f"-{extra}" if extra else "")
 
 
+def gpu_case(scheme: str) -> Case:
+    """The GPU tests' real-size case: a Llama-3-70B shard (64 query / 8 KV heads), D=128, page 16, bfloat16.
+
+    Falls back to the scheme's first supported head dim / page size where it declares others.
+    """
+    s = get_scheme(scheme)
+    d = supported(s, "head_dim", (128,))[0]
+    p = supported(s, "page_size", (16,))[0]
+    return Case(scheme=scheme, head_dim=d, gqa=8, page_size=p, compute_dtype="bfloat16", num_kv_heads=8)
+
+
 def _rotating(axes: dict[str, Sequence[Any]], n: int | None = None) -> list[dict[str, Any]]:
     """A cut of the product that takes every value of every axis at least once.
 

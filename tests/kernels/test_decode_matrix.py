@@ -174,18 +174,11 @@ def test_decode_rejects_bad_inputs():
 # --------------------------------------------------------------------------- GPU (real sizes, bfloat16)
 
 
-def _gpu_case(scheme: str) -> hz.Case:
-    s = hz.get_scheme(scheme)
-    d = hz.supported(s, "head_dim", (128,))[0]
-    p = hz.supported(s, "page_size", (16,))[0]
-    return hz.Case(scheme=scheme, head_dim=d, gqa=8, page_size=p, compute_dtype="bfloat16", num_kv_heads=8)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", hz.scheme_matrix("cuda"))
 def test_decode_gpu_real_size(scheme):
     hz.require_cuda()
-    case = _gpu_case(scheme)
+    case = hz.gpu_case(scheme)
     lengths = [4096, 4096 - 7, 1, 2048 + 3]
     out, ref, cache, q = run_decode(case, lengths, dev="cuda")
     hz.check(case, out, ref, "default config")
@@ -203,7 +196,7 @@ def test_decode_gpu_real_size(scheme):
 @pytest.mark.parametrize("scheme", hz.scheme_matrix("cuda"))
 def test_decode_gpu_no_host_sync(scheme):
     hz.require_cuda()
-    case = _gpu_case(scheme)
+    case = hz.gpu_case(scheme)
     lengths = [4096, 100, 0, 3000]
     cache = hz.make_cache(scheme, case.head_dim, 8, case.page_size, lengths, case.dtype, device="cuda")
     mod = hz.load_op("decode", scheme, case.head_dim, 8, 8, case.page_size, case.dtype, dev="cuda")

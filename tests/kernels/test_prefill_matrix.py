@@ -409,20 +409,13 @@ def test_prefill_rejects_bad_inputs():
 # --------------------------------------------------------------------------- GPU (real sizes, bfloat16)
 
 
-def _gpu_case(scheme: str) -> hz.Case:
-    s = hz.get_scheme(scheme)
-    d = hz.supported(s, "head_dim", (128,))[0]
-    p = hz.supported(s, "page_size", (16,))[0]
-    return hz.Case(scheme=scheme, head_dim=d, gqa=8, page_size=p, compute_dtype="bfloat16", num_kv_heads=8)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", hz.scheme_matrix("cuda"))
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_prefill_gpu_real_size(scheme, chunk):
     """64/8 heads, D=128, bf16, 4096-token sequences: a whole prefill, and appends after a prefix hit."""
     hz.require_cuda()
-    case = _gpu_case(scheme)
+    case = hz.gpu_case(scheme)
     lengths = [4096] if chunk == "prefill" else [4096, 4096 - 17, 1000]
     qlens = [4096] if chunk == "prefill" else [512, 17, 1]
     mod = hz.load_op("prefill", scheme, case.head_dim, 8, 8, case.page_size, case.dtype, dev="cuda")
@@ -443,7 +436,7 @@ def test_prefill_gpu_real_size(scheme, chunk):
 @pytest.mark.parametrize("scheme", hz.scheme_matrix("cuda"))
 def test_prefill_gpu_no_host_sync(scheme):
     hz.require_cuda()
-    case = _gpu_case(scheme)
+    case = hz.gpu_case(scheme)
     lengths = [4096, 100, 3000]
     qlens = [1024, 0, 7]
     cache = hz.make_cache(scheme, case.head_dim, 8, case.page_size, lengths, case.dtype, device="cuda")
