@@ -10,14 +10,14 @@ if os.environ.get("KVGEN_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+ASSETS = REPO / "tests" / "assets"
+"""Small real model and text vendored with the tests (see tests/assets/README.md): models/, text/."""
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    if not SHARED_DATA.exists():
-        pytest.skip(f"shared data not found at {SHARED_DATA}")
-    return SHARED_DATA
+    """The vendored assets folder (laid out as models/ and text/); always present in a clone."""
+    return ASSETS
 
 
 @pytest.fixture(autouse=True)
