@@ -10,8 +10,6 @@ import pytest
 from kvgen.errors import KvgenError, ModelConfigError, UnknownModelError
 from kvgen.models import ModelSpec, count_params, list_models, resolve_model
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
 # Published parameter counts (model cards / safetensors index totals).
 PUBLISHED = {
     "llama-2-7b": 6_738_415_616,
@@ -107,8 +105,8 @@ def test_qwen_switched_off_window_is_none(tmp_path: Path):
     assert resolve_model(str(write_config(tmp_path, cfg))).sliding_window is None
 
 
-def test_stories260k_loads():
-    m = resolve_model(str(SHARED_DATA / "models" / "stories260K"))
+def test_stories260k_loads(shared_data: Path):
+    m = resolve_model(str(shared_data / "models" / "stories260K"))
     assert (m.num_layers, m.num_q_heads, m.num_kv_heads, m.head_dim, m.vocab_size) == (5, 8, 4, 8, 512)
     assert m.rope_theta == 10000.0 and m.tied_embeddings
 
