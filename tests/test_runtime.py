@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvgen.codegen.loader import load_kernel
-from kvgen.codegen.package import kernel_specs
+from kvgen.codegen.package import kernel_specs, plan_scheme
 from kvgen.models import ModelSpec
 from kvgen.planner.planner import make_plan
 from kvgen.planner.workload import Workload
@@ -49,10 +49,13 @@ _KERNELS: dict[str, dict] = {}
 
 
 def kernels_for(scheme: str) -> dict:
+    """The kernels of ``scheme`` (a name, or NAME:key=value with options) for the tiny plan."""
     if scheme not in _KERNELS:
         reg = default_registry()
         plan = make_plan_for(scheme)
-        _KERNELS[scheme] = {op: load_kernel(s, reg.schemes[scheme], reg) for op, s in kernel_specs(plan, reg).items()}
+        configured = plan_scheme(plan, reg)
+        _KERNELS[scheme] = {op: load_kernel(s, configured, reg)
+                            for op, s in kernel_specs(plan, reg, configured).items()}
     return _KERNELS[scheme]
 
 
@@ -333,6 +336,51 @@ def test_prefix_hit_gives_identical_decode(scheme):
     allv = table_v[toks + [7]]
     ref = ref_attention(q[:1], *expected_cache(scheme, allk, allv, cache.block_manager.num_compressed("A"), 16))
     assert rel_err(out[:1], ref) < max(default_registry().schemes[scheme].tolerance, 1e-5)
+
+
+@pytest.mark.parametrize("scheme", [s for s in ("int4:residual=32", "int2") if s.split(":")[0] in SCHEMES])
+def test_fork_then_window_conversion_keeps_every_sequence_intact(scheme):
+    """Issue 13, item 1: prefill A with token ids, fork B, then one decode step [A, B, C] in which A's
+    oldest residual page leaves the window. A converts it (registering the compressed page), B reuses
+    that compressed page and drops the shared residual page -- still the source of A's pending
+    conversion -- and C's new tokens must not be written into it before the conversion reads it."""
+    residual = default_registry().scheme(scheme).residual_tokens
+    P = 16
+    cache = make_cache(scheme, max_tokens=1024, num_layers=1, zero=True)
+    gen = torch.Generator().manual_seed(11)
+    n = residual + P - 1  # one more token and the oldest page leaves the window
+    toks = list(range(n))
+    k = {sid: torch.randn(n, H, D, generator=gen) for sid in "A"}
+    v = {sid: torch.randn(n, H, D, generator=gen) for sid in "A"}
+    cache.add("A")
+    cache.plan_step(["A"], [n], token_ids=[toks])
+    cache.append_kv(0, ["A"], k["A"], v["A"])
+    cache.fork("A", "B")
+    k["B"], v["B"] = k["A"], v["A"]
+    cache.add("C")
+    k["C"] = v["C"] = torch.empty(0, H, D)
+    step = cache.plan_step(["A", "B", "C"], [1, 1, P], token_ids=[[5], [5], list(range(P))])
+    assert step.num_conversions >= 1
+    new_k = torch.full((P + 2, H, D), 999.0)  # C's K/V: far from anything A or B hold
+    new_v = torch.randn(P + 2, H, D, generator=gen)
+    cache.append_kv(0, ["A", "B", "C"], new_k, new_v)
+    for sid, rows in (("A", slice(0, 1)), ("B", slice(1, 2)), ("C", slice(2, P + 2))):
+        k[sid] = torch.cat([k[sid], new_k[rows]])
+        v[sid] = torch.cat([v[sid], new_v[rows]])
+        ek, ev = expected_cache(scheme.split(":")[0], k[sid], v[sid],
+                                cache.block_manager.num_compressed(sid), P)
+        got_k, got_v = cache.read_kv(0, sid)
+        assert rel_err(got_k.permute(1, 0, 2), ek) < 1e-3, (sid, rel_err(got_k.permute(1, 0, 2), ek))
+        assert rel_err(got_v.permute(1, 0, 2), ev) < 1e-3, (sid, rel_err(got_v.permute(1, 0, 2), ev))
+    q = torch.randn(3, HQ, D, generator=gen)
+    cache.plan_step(["A", "B", "C"], [1, 1, 1])
+    kk, vv = torch.randn(3, H, D, generator=gen), torch.randn(3, H, D, generator=gen)
+    out = cache.decode(0, q, ["A", "B", "C"], kk, vv)
+    for b, sid in enumerate("ABC"):
+        allk, allv = torch.cat([k[sid], kk[b:b + 1]]), torch.cat([v[sid], vv[b:b + 1]])
+        ref = ref_attention(q[b:b + 1], *expected_cache(scheme.split(":")[0], allk, allv,
+                                                          cache.block_manager.num_compressed(sid), P))
+        assert rel_err(out[b:b + 1], ref) < 2e-3, (sid, rel_err(out[b:b + 1], ref))
 
 
 # ------------------------------------------------------------------ errors and invariants

@@ -34,6 +34,18 @@ are cached. A cached page whose last reference goes away is kept on an LRU
 list, still findable, and is evicted only when an allocation finds the free
 list empty.
 
+One model step, one reservation: :meth:`BlockManager.reserve_step` appends
+for every sequence of a step at once, all or nothing (an undo journal of
+what changed rolls back any failure, at a cost proportional to the step's
+own changes, never to the pool). A page whose last reference goes away
+*during* the step (a converted residual page, a shared page a prefix hit
+replaced) is parked, not freed, until the step ends: the step's kernels run
+"copies, writes, conversions" per layer, so a page still to be read by a
+conversion must not be handed out to a write of the same step. A long
+residual-scheme append that runs out of free residual pages releases the
+parked pages and opens a new :class:`Phase`; per layer, phases run in
+order, so the new phase's writes land after the earlier conversions.
+
 The manager is not thread-safe; call it from one thread (the scheduler's).
 """
 
@@ -43,8 +55,9 @@ import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
-from .errors import KvgenRuntimeError, OutOfPages, UnknownSequence
+from .errors import KvgenRuntimeError, OutOfPages, UnknownSequence, check_seq_id, seq_id_list, token_list
 
 COMPRESSED = "compressed"
 """Name of the compressed pool (the scheme's quantized pages)."""
@@ -76,15 +89,44 @@ class AppendPlan:
        (now full, after step 2) into compressed page ``dst``. The manager has
        already released ``src``: the very next :meth:`BlockManager.append` may
        hand it out again. Running each plan's three steps before the next
-       plan's writes (on one CUDA stream) is safe; a caller that batches the
-       writes of several appends before their conversions must keep such pages
-       from being reused meanwhile (``step.reserve_step`` does).
+       plan's writes (on one CUDA stream) is safe; to batch the writes of
+       several appends before their conversions, use
+       :meth:`BlockManager.reserve_step`, which keeps such pages out of reach
+       until the step ends.
     """
 
     slots: list[int]
     copies: list[tuple[str, int, int]] = field(default_factory=list)
     conversions: list[tuple[int, int]] = field(default_factory=list)
     write_pool: str = COMPRESSED
+
+
+@dataclass
+class Phase:
+    """Tokens ``[start, end)`` of a step (in step order) and the page work around their write.
+
+    Per layer a phase runs its ``copies`` (``(pool, src, dst)``), writes its
+    tokens, then runs its ``conversions`` (``(src, dst)``); phases run in
+    order. A new phase starts only when a residual-scheme append needs the
+    residual pages that earlier conversions of the step released.
+    """
+
+    start: int
+    end: int = 0
+    copies: list[tuple[str, int, int]] = field(default_factory=list)
+    conversions: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What :meth:`BlockManager.reserve_step` decided: every new token's slot (step order) and the phases.
+
+    ``slots[j]`` is ``page * page_size + offset`` in the manager's
+    ``write_pool``; phase ``i`` writes ``slots[phases[i].start:phases[i].end]``.
+    """
+
+    slots: list[int]
+    phases: list[Phase]
 
 
 @dataclass
@@ -136,9 +178,12 @@ class BlockManager:
 
     - allocate and free are O(1) (a LIFO free list per pool); each page is, at
       any time, exactly one of: referenced by block tables (its ref count is
-      the number of references), on the free list, or cached-and-evictable;
+      the number of references), on the free list, cached-and-evictable, or
+      (only inside :meth:`reserve_step`) parked until the step ends;
     - a page referenced by more than one sequence is never written: the first
       append into it copies it first (copy-on-write);
+    - within one :meth:`reserve_step`, no page that a copy or conversion of a
+      phase reads is handed out to a write of the same phase;
     - any call that raises leaves every structure exactly as it was; in
       particular :class:`OutOfPages` can be caught to preempt and retry;
     - identical call sequences give identical decisions on every process.
@@ -161,11 +206,23 @@ class BlockManager:
         self._window = None if residual_tokens is None else residual_tokens // page_size
         self._pools = {COMPRESSED: _Pool.new(num_compressed_pages), RESIDUAL: _Pool.new(num_residual_pages)}
         # Prefix cache (compressed pool only): hash <-> page, and the evictable
-        # cached pages (ref count 0), least recently released first.
+        # cached pages (ref count 0) -> the stamp of their release, least
+        # recently released first (stamps ascend along the list, so an undo can
+        # put a revived page back in its place).
         self._hash_page: dict[str, int] = {}
         self._page_hash: dict[int, str] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._lru: OrderedDict[int, int] = OrderedDict()
+        self._stamp = 0
         self._seqs: dict[Hashable, _Seq] = {}
+        # Only inside reserve_step: the undo journal and the pages parked until the step ends.
+        self._journal: list | None = None
+        self._parked: list[tuple[str, int]] | None = None
+
+    def __repr__(self) -> str:
+        return (f"BlockManager(page_size={self.page_size}, residual_tokens={self.residual_tokens}, "
+                f"compressed={self.num_free_pages(COMPRESSED)}/{self._pools[COMPRESSED].size} free, "
+                f"residual={self.num_free_pages(RESIDUAL)}/{self._pools[RESIDUAL].size} free, "
+                f"sequences={len(self._seqs)})")
 
     # -- queries ------------------------------------------------------------
     def compressed_pages(self, num_tokens: int) -> int:
@@ -208,6 +265,10 @@ class BlockManager:
         n = len(self._pool(pool).free)
         return n + len(self._lru) if pool == COMPRESSED else n
 
+    def num_pages(self, pool: str) -> int:
+        """Size of ``pool``: referenced plus free plus evictable pages."""
+        return self._pool(pool).size
+
     def ref_count(self, pool: str, page: int) -> int:
         """Number of block-table references to ``page`` of ``pool``."""
         p = self._pool(pool)
@@ -224,7 +285,7 @@ class BlockManager:
         return True
 
     # -- mutations ----------------------------------------------------------
-    def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] = ()) -> int:
+    def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = ()) -> int:
         """Register a new sequence and reuse the longest cached prefix of ``token_ids``.
 
         Returns how many leading tokens of ``token_ids`` already have their KV
@@ -234,12 +295,15 @@ class BlockManager:
         cached in turn). Every token may hit; a caller that needs the logits
         of the last prompt token passes ``prompt[:-1]`` here. For residual
         schemes only pages that will be compressed once all of ``token_ids``
-        are appended can hit. Never allocates, so never raises OutOfPages.
-        Raises KvgenRuntimeError if ``seq_id`` is already live.
+        are appended can hit. ``token_ids=None`` is the same as ``()``. Never
+        allocates, so never raises OutOfPages. Raises KvgenRuntimeError if
+        ``seq_id`` is already live or is not hashable, or for token ids that
+        are not ints.
         """
+        check_seq_id(seq_id)
         if seq_id in self._seqs:
             raise KvgenRuntimeError(f"sequence {seq_id!r} already exists; free it first or use a new id")
-        tokens = self._token_list(token_ids, None)
+        tokens = [] if token_ids is None else token_list(token_ids, f"add_sequence({seq_id!r})")
         P = self.page_size
         full = len(tokens) // P
         limit = full if self._window is None else max(0, full - self._window)
@@ -265,56 +329,73 @@ class BlockManager:
         is shared, converts pages that leave the residual window, and returns
         what the caller must do. ``token_ids`` (``num_tokens`` ids) lets the
         pages that fill up be registered in the prefix cache; once an append
-        of a sequence omits them, none of its later pages is cached.
+        of a sequence omits them, none of its later pages is cached. For the
+        appends of a whole model step use :meth:`reserve_step`.
 
         Atomic: raises :class:`OutOfPages` (after counting evictable cached
         pages as available) with no state changed. Raises UnknownSequence for
         an id that is not live.
         """
         s = self._seq(seq_id)
-        tokens = self._token_list(token_ids, num_tokens)
-        d = self._prepare(seq_id, s, num_tokens, tokens)
-        # -- from here on nothing can fail --
-        P = self.page_size
-        W = self.write_pool
-        copies: list[tuple[str, int, int]] = []
-        if d.cow:
-            idx = s.length // P
-            src = s.table[idx]
-            dst = self._alloc(W)
-            self._pools[W].ref[src] -= 1  # was > 1, so the page stays referenced
-            s.table[idx] = dst
-            copies.append((W, src, dst))
-        for _ in range(d.new_pages):
-            s.table.append(self._alloc(W))
-        slots = [s.table[t // P] * P + t % P for t in range(s.length, s.length + num_tokens)]
+        return self._append(seq_id, s, num_tokens, self._token_list(token_ids, num_tokens))
 
-        conversions: list[tuple[int, int]] = []
-        # Take reused cached pages off the LRU list before allocating, so the
-        # allocations below cannot evict them.
-        for _, _, cached in d.convert:
-            if cached is not None:
-                self._acquire_cached(cached)
-        for i, h, cached in d.convert:
-            src = s.table[i]
-            if cached is None:
-                dst = self._alloc(COMPRESSED)
-                conversions.append((src, dst))
-                if h is not None:
-                    self._register(dst, h)
-            else:
-                dst = cached  # same prefix already compressed: share it, skip the work
-            s.table[i] = dst
-            self._release(RESIDUAL, src)
-        for i, h in d.register:
-            self._register(s.table[i], h)
+    def reserve_step(self, seq_ids: Sequence[Hashable], num_new: Sequence[int],
+                     token_ids: Sequence[Sequence[int] | None] | None = None) -> StepPlan:
+        """Append ``num_new[b]`` tokens to every sequence ``seq_ids[b]`` of one model step, all or nothing.
 
-        s.length += num_tokens
-        s.num_compressed = d.num_compressed
-        s.hashes.extend(d.new_hashes)
-        s.pending = d.pending
-        s.known = d.known
-        return AppendPlan(slots, copies, conversions, W)
+        ``token_ids``: None, or per sequence the ids of its new tokens (or
+        None), so that full pages enter the prefix cache. Returns the
+        :class:`StepPlan`: per phase, the copies to run, then the write of its
+        tokens, then the conversions (see :class:`Phase`). Pages released
+        during the step are parked and return to the free list (or the LRU
+        list) when the step ends, or at a phase boundary; so no write or copy
+        of a phase lands in a page that a copy or conversion of the same phase
+        still has to read. For a residual scheme an append that does not fit
+        the free residual pages (a long prompt) is cut into chunks, and the
+        next chunk, in a new phase, reuses the pages the earlier conversions
+        released.
+
+        Raises :class:`OutOfPages`, :class:`UnknownSequence` or another
+        KvgenRuntimeError (bad arguments) with every structure exactly as
+        before: an undo journal rolls back what the step changed.
+        """
+        seq_ids = seq_id_list(seq_ids, "reserve_step")
+        counts, toks = self._check_step(seq_ids, num_new, token_ids)
+        seqs = [self._seq(sid) for sid in seq_ids]
+        journal: list = []
+        self._journal, self._parked, stamp = journal, [], self._stamp
+        try:
+            slots: list[int] = []
+            phases = [Phase(0)]
+            for sid, s, n, tk in zip(seq_ids, seqs, counts, toks):
+                done = 0
+                while done < n:
+                    chunk = n - done
+                    if self._window is not None:
+                        chunk = self._fit(s, chunk)
+                        if chunk == 0:
+                            if not self._parked:
+                                raise self._out_of_pages(RESIDUAL, sid, n - done, 1, 0)
+                            self._unpark()  # later writes run after this phase's conversions
+                            phases[-1].end = len(slots)
+                            phases.append(Phase(len(slots)))
+                            continue
+                    plan = self._append(sid, s, chunk, None if tk is None else tk[done:done + chunk])
+                    slots.extend(plan.slots)
+                    phases[-1].copies.extend(plan.copies)
+                    phases[-1].conversions.extend(plan.conversions)
+                    done += chunk
+            phases[-1].end = len(slots)
+            self._unpark()
+        except OutOfPages as e:
+            self._rollback(journal, stamp)
+            raise OutOfPages(f"this step of {len(seq_ids)} sequence(s): {e}") from None
+        except BaseException:
+            self._rollback(journal, stamp)
+            raise
+        finally:
+            self._journal = self._parked = None
+        return StepPlan(slots, phases)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Make ``child_id`` a new sequence sharing every page (and the length) of ``parent_id``.
@@ -323,6 +404,7 @@ class BlockManager:
         first appends into the shared tail page copies it.
         """
         p = self._seq(parent_id)
+        check_seq_id(child_id)
         if child_id in self._seqs:
             raise KvgenRuntimeError(f"sequence {child_id!r} already exists; fork into a new id")
         for i, page in enumerate(p.table):
@@ -347,6 +429,9 @@ class BlockManager:
     def _seq(self, seq_id: Hashable) -> _Seq:
         try:
             return self._seqs[seq_id]
+        except TypeError:
+            check_seq_id(seq_id)
+            raise
         except KeyError:
             raise UnknownSequence(
                 f"sequence {seq_id!r} is not live (never added or already freed); call add_sequence first") from None
@@ -361,11 +446,106 @@ class BlockManager:
     def _token_list(token_ids: Sequence[int] | None, expected: int | None) -> list[int] | None:
         if token_ids is None:
             return None
-        tokens = [int(t) for t in token_ids]
+        tokens = token_list(token_ids, "append")
         if expected is not None and len(tokens) != expected:
             raise KvgenRuntimeError(
                 f"append got {len(tokens)} token ids for {expected} tokens; pass one id per token or None")
         return tokens
+
+    def _check_step(self, seq_ids: tuple, num_new: Sequence[int],
+                    token_ids: Sequence[Sequence[int] | None] | None) -> tuple[list[int], list]:
+        """Validate a step's arguments (nothing changes); returns the counts and per-sequence token lists."""
+        if isinstance(num_new, (str, bytes)) or not isinstance(num_new, Sequence):
+            raise KvgenRuntimeError(f"reserve_step token counts must be a list of ints, got {num_new!r}")
+        if len(num_new) != len(seq_ids):
+            raise KvgenRuntimeError(
+                f"plan_step got {len(seq_ids)} sequence ids and {len(num_new)} token counts; "
+                f"pass one count per sequence")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise KvgenRuntimeError("plan_step got a sequence id twice; each sequence appears once per step")
+        counts = []
+        for n in num_new:
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise KvgenRuntimeError(f"plan_step token counts must be ints >= 0, got {n!r}")
+            counts.append(int(n))
+        if token_ids is None:
+            return counts, [None] * len(seq_ids)
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+            raise KvgenRuntimeError(
+                f"plan_step token_ids must be a list with one list of ids (or None) per sequence, "
+                f"got a {type(token_ids).__name__}")
+        if len(token_ids) != len(seq_ids):
+            raise KvgenRuntimeError(
+                f"plan_step got token ids for {len(token_ids)} sequences, expected {len(seq_ids)} (or None)")
+        toks: list = []
+        for sid, ids, n in zip(seq_ids, token_ids, counts):
+            ids = None if ids is None else token_list(ids, f"plan_step, sequence {sid!r}")
+            if ids is not None and len(ids) != n:
+                raise KvgenRuntimeError(
+                    f"plan_step: sequence {sid!r} adds {n} tokens but got {len(ids)} token ids")
+            toks.append(ids)
+        return counts, toks
+
+    def _fit(self, s: _Seq, want: int) -> int:
+        """How many of ``want`` tokens one residual append can place in the free residual pages now."""
+        P = self.page_size
+        n0 = s.length
+        free = len(self._pools[RESIDUAL].free)
+        if n0 % P and self._pools[RESIDUAL].ref[s.table[n0 // P]] > 1:
+            free -= 1  # the shared tail page is copied first
+            if free < 0:
+                return 0
+        room = (-(-n0 // P) + free) * P - n0  # the tail page's free slots plus whole free pages
+        return min(want, room)
+
+    def _append(self, seq_id: Hashable, s: _Seq, num_tokens: int, tokens: list[int] | None) -> AppendPlan:
+        d = self._prepare(seq_id, s, num_tokens, tokens)
+        # -- from here on nothing can fail --
+        P = self.page_size
+        W = self.write_pool
+        j = self._journal
+        if j is not None:
+            j.append((_SEQ, s, s.length, s.num_compressed, len(s.hashes), s.pending, s.known))
+        copies: list[tuple[str, int, int]] = []
+        if d.cow:
+            idx = s.length // P
+            src = s.table[idx]
+            dst = self._alloc(W)
+            self._set_ref(W, src, self._pools[W].ref[src] - 1)  # was > 1, so the page stays referenced
+            self._set_table(s, idx, dst)
+            copies.append((W, src, dst))
+        for _ in range(d.new_pages):
+            s.table.append(self._alloc(W))
+            if j is not None:
+                j.append((_TABLE_APPEND, s))
+        slots = [s.table[t // P] * P + t % P for t in range(s.length, s.length + num_tokens)]
+
+        conversions: list[tuple[int, int]] = []
+        # Take reused cached pages off the LRU list before allocating, so the
+        # allocations below cannot evict them.
+        for _, _, cached in d.convert:
+            if cached is not None:
+                self._acquire_cached(cached)
+        for i, h, cached in d.convert:
+            src = s.table[i]
+            if cached is None:
+                dst = self._alloc(COMPRESSED)
+                conversions.append((src, dst))
+                if h is not None:
+                    self._register(dst, h)
+            else:
+                dst = cached  # same prefix already compressed: share it, skip the work
+            self._set_table(s, i, dst)
+            self._release(RESIDUAL, src)
+        for i, h in d.register:
+            self._register(s.table[i], h)
+
+        s.length += num_tokens
+        s.num_compressed = d.num_compressed
+        s.hashes.extend(d.new_hashes)
+        s.pending = d.pending
+        s.known = d.known
+        return AppendPlan(slots, copies, conversions, W)
 
     def _prepare(self, seq_id: Hashable, s: _Seq, num_tokens: int, tokens: list[int] | None) -> _Draft:
         """Work out an append and check the pools can serve it; mutates nothing."""
@@ -426,31 +606,64 @@ class BlockManager:
             f"needs {need} page(s), {avail} free or evictable; free (preempt) a sequence and retry, "
             f"or give the cache more pages")
 
+    # Every mutation an append makes goes through these helpers, which log how
+    # to undo it while a reserve_step is open (self._journal is a list).
     def _alloc(self, pool: str) -> int:
         p = self._pools[pool]
+        j = self._journal
         if p.free:
             page = p.free.pop()
+            if j is not None:
+                j.append((_FREE_POP, pool, page))
         else:
             # only reached for the compressed pool after _prepare counted the LRU list
-            page, _ = self._lru.popitem(last=False)
-            del self._hash_page[self._page_hash.pop(page)]
-        p.ref[page] = 1
+            page, stamp = self._lru.popitem(last=False)
+            h = self._page_hash.pop(page)
+            del self._hash_page[h]
+            if j is not None:
+                j.append((_LRU_REMOVE, page, stamp, h))
+        self._set_ref(pool, page, 1)
         return page
 
     def _release(self, pool: str, page: int) -> None:
         p = self._pools[pool]
-        p.ref[page] -= 1
+        self._set_ref(pool, page, p.ref[page] - 1)
         if p.ref[page] == 0:
-            if pool == COMPRESSED and page in self._page_hash:
-                self._lru[page] = None
+            if self._parked is not None:  # inside a step: out of reach until the step (or phase) ends
+                self._parked.append((pool, page))
+                self._journal.append((_PARK,))
             else:
-                p.free.append(page)
+                self._drop(pool, page)
+
+    def _drop(self, pool: str, page: int) -> None:
+        """Put an unreferenced page on its free list, or, if it is cached, at the end of the LRU list."""
+        j = self._journal
+        if pool == COMPRESSED and page in self._page_hash:
+            self._lru[page] = self._stamp
+            self._stamp += 1
+            if j is not None:
+                j.append((_LRU_ADD, page))
+        else:
+            self._pools[pool].free.append(page)
+            if j is not None:
+                j.append((_FREE_PUSH, pool))
+
+    def _unpark(self) -> None:
+        """Release the pages parked so far in this step (in the order they were parked)."""
+        parked = self._parked
+        for pool, page in parked:
+            if self._pools[pool].ref[page] == 0:  # not revived meanwhile by a prefix-cache reuse
+                self._drop(pool, page)
+        self._journal.append((_UNPARK, list(parked)))
+        parked.clear()
 
     def _acquire_cached(self, page: int) -> None:
         p = self._pools[COMPRESSED]
-        if p.ref[page] == 0:
-            del self._lru[page]
-        p.ref[page] += 1
+        if p.ref[page] == 0 and page in self._lru:  # (else parked: _unpark skips it once referenced)
+            stamp = self._lru.pop(page)
+            if self._journal is not None:
+                self._journal.append((_LRU_REMOVE, page, stamp, None))
+        self._set_ref(COMPRESSED, page, p.ref[page] + 1)
 
     def _register(self, page: int, h: str) -> None:
         # First page registered under a hash wins; an equal page filled later
@@ -458,3 +671,60 @@ class BlockManager:
         if h not in self._hash_page and page not in self._page_hash:
             self._hash_page[h] = page
             self._page_hash[page] = h
+            if self._journal is not None:
+                self._journal.append((_REGISTER, page, h))
+
+    def _set_ref(self, pool: str, page: int, value: int) -> None:
+        ref = self._pools[pool].ref
+        if self._journal is not None:
+            self._journal.append((_REF, pool, page, ref[page]))
+        ref[page] = value
+
+    def _set_table(self, s: _Seq, index: int, page: int) -> None:
+        if self._journal is not None:
+            self._journal.append((_TABLE_SET, s, index, s.table[index]))
+        s.table[index] = page
+
+    def _rollback(self, journal: list, stamp: int) -> None:
+        """Undo a failed step: replay the journal backwards (cost: the step's own changes)."""
+        resort = False
+        for entry in reversed(journal):
+            op = entry[0]
+            if op is _REF:
+                self._pools[entry[1]].ref[entry[2]] = entry[3]
+            elif op is _FREE_POP:
+                self._pools[entry[1]].free.append(entry[2])
+            elif op is _FREE_PUSH:
+                self._pools[entry[1]].free.pop()
+            elif op is _TABLE_APPEND:
+                entry[1].table.pop()
+            elif op is _TABLE_SET:
+                entry[1].table[entry[2]] = entry[3]
+            elif op is _SEQ:
+                s = entry[1]
+                s.length, s.num_compressed, s.pending, s.known = entry[2], entry[3], entry[5], entry[6]
+                del s.hashes[entry[4]:]
+            elif op is _PARK:
+                self._parked.pop()
+            elif op is _UNPARK:
+                self._parked[:] = entry[1]
+            elif op is _LRU_ADD:
+                del self._lru[entry[1]]
+            elif op is _LRU_REMOVE:
+                page, page_stamp, h = entry[1], entry[2], entry[3]
+                self._lru[page] = page_stamp
+                resort = True
+                if h is not None:
+                    self._hash_page[h] = page
+                    self._page_hash[page] = h
+            elif op is _REGISTER:
+                del self._hash_page[entry[2]]
+                del self._page_hash[entry[1]]
+        if resort:  # re-inserted pages went to the end: restore release order (rare: a failed step)
+            self._lru = OrderedDict(sorted(self._lru.items(), key=itemgetter(1)))
+        self._stamp = stamp
+
+
+# Undo-journal operations of BlockManager (compared by identity).
+_REF, _FREE_POP, _FREE_PUSH, _TABLE_APPEND, _TABLE_SET, _SEQ = "ref", "free_pop", "free_push", "tappend", "tset", "seq"
+_PARK, _UNPARK, _LRU_ADD, _LRU_REMOVE, _REGISTER = "park", "unpark", "lru_add", "lru_remove", "register"

@@ -19,9 +19,10 @@ conversions once. Per layer, ``append_kv`` runs the copies (page_copy),
 then the cache write, then the conversions (page_quantize: a residual page
 that filled is quantized into its compressed page), all from that
 metadata (a long append to a residual scheme may take a few such phases,
-see ``step.reserve_step``); ``decode``/``prefill`` then read the cache. Run every layer of a
+see ``BlockManager.reserve_step``); ``decode``/``prefill`` then read the cache. Run every layer of a
 step before planning the next one: the next plan may reuse pages the
-current step's conversions still have to read.
+current step's conversions still have to read. Freeing a sequence of the
+planned step makes the step unusable (its pages may be handed out again).
 
 Which keys come from where: ``prefill(layer, q, k, v)`` writes the chunk's
 K/V into the pages *and* hands the same k/v to the kernel, which attends the
@@ -46,9 +47,9 @@ import torch
 from .autotune import Autotuner
 from .block_manager import COMPRESSED, RESIDUAL, BlockManager
 from .env import triton_interpret
-from .errors import KvgenRuntimeError
+from .errors import KvgenRuntimeError, seq_id_list
 from .pools import allocate_pool, pool_bytes
-from .step import DeviceBuffers, StepMetadata, build_step, reserve_step
+from .step import DeviceBuffers, StepMetadata, build_step
 
 REQUIRED_OPS = ("decode", "prefill", "cache_write", "page_copy")
 MIN_RESIDUAL_SEQS = 4
@@ -167,6 +168,7 @@ class KVCache:
             raise KvgenRuntimeError(f"kernels lack the ops {missing}; recompile the plan (kvgen compile)")
         self.kernels = dict(kernels)
         self.device = torch.device(device) if device is not None else default_device()
+        _check_kernels_can_run(self.device, self.kernels)
         self.dtype = getattr(torch, self.plan["compute_dtype"])
         if dtype is not None:
             want = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -205,6 +207,17 @@ class KVCache:
         self._steps = 0
         self.step: StepMetadata | None = None
 
+    def __repr__(self) -> str:
+        bm = self.block_manager
+        residual = (f", residual_tokens={self.residual_tokens}, residual pages "
+                    f"{bm.num_free_pages(RESIDUAL)}/{self.num_residual_pages} free"
+                    if self.residual_tokens is not None else "")
+        return (f"KVCache(scheme={self.scheme!r}, layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
+                f"q_heads={self.num_q_heads}, head_dim={self.head_dim}, page_size={self.page_size}, "
+                f"compressed pages {bm.num_free_pages(COMPRESSED)}/{self.num_pages} free{residual}, "
+                f"sequences={len(bm.sequences())}, dtype={str(self.dtype).replace('torch.', '')}, "
+                f"device={self.device}, tp={self.tp_rank}/{self.tp_size})")
+
     # -- sizes ------------------------------------------------------------
     @property
     def capacity_tokens(self) -> int:
@@ -241,8 +254,15 @@ class KVCache:
         self.block_manager.fork(parent, child)
 
     def free(self, seq_id: Hashable) -> None:
-        """Drop the sequence; its pages return to the pool (or the prefix cache)."""
+        """Drop the sequence; its pages return to the pool (or the prefix cache).
+
+        If the sequence is in the planned step, that step can no longer run
+        (plan a new one): its pages may be handed out again.
+        """
         self.block_manager.free(seq_id)
+        step = self.step
+        if step is not None and step.stale is None and seq_id in step.seq_ids:
+            step.stale = f"sequence {seq_id!r} was freed after this step was planned"
 
     def seq_len(self, seq_id: Hashable) -> int:
         return self.block_manager.seq_len(seq_id)
@@ -260,7 +280,7 @@ class KVCache:
         the ids of those tokens (or None) so full pages enter the prefix
         cache. Raises OutOfPages with nothing changed.
         """
-        seq_ids = tuple(seq_ids)
+        seq_ids = seq_id_list(seq_ids, "plan_step")
         try:
             if isinstance(num_new_tokens_per_seq, Sequence):
                 num_new = tuple(operator.index(n) for n in num_new_tokens_per_seq)
@@ -271,7 +291,7 @@ class KVCache:
                 f"plan_step token counts must be ints, got {num_new_tokens_per_seq!r}") from None
         if not seq_ids:
             raise KvgenRuntimeError("plan_step needs at least one sequence id")
-        reservation = reserve_step(self.block_manager, seq_ids, num_new, token_ids)
+        reservation = self.block_manager.reserve_step(seq_ids, num_new, token_ids)
         self._steps += 1
         step = build_step(self._steps, self.block_manager, self._buffers, seq_ids, num_new, reservation)
         step.configs = self._configs(step)
@@ -331,7 +351,10 @@ class KVCache:
         step = self.step
         if step is None:
             raise KvgenRuntimeError("no step is planned; call plan_step(seq_ids, num_new_tokens) first")
-        if seq_ids is not None and seq_ids is not step.seq_ids and tuple(seq_ids) != step.seq_ids:
+        if step.stale is not None:
+            raise KvgenRuntimeError(f"{step.stale}; call plan_step for the live sequences first")
+        if seq_ids is not None and seq_ids is not step.seq_ids and (
+                seq_id_list(seq_ids, "the layer op") != step.seq_ids):
             raise KvgenRuntimeError(
                 f"the sequences {list(seq_ids)[:8]} are not the planned step's {list(step.seq_ids)[:8]}; "
                 f"call plan_step for this batch first")
@@ -343,6 +366,14 @@ class KVCache:
         return self.pools[layer]
 
     def _as_input(self, name: str, x: torch.Tensor, rows: int, heads: int) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise KvgenRuntimeError(f"{name} must be a torch.Tensor [{rows}, {heads}, {self.head_dim}], "
+                                    f"got a {type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            raise KvgenRuntimeError(f"{name} must be a real floating-point tensor ({self.dtype} ideally), "
+                                    f"got {x.dtype}")
+        if x.device.type == "meta" and self.device.type != "meta":
+            raise KvgenRuntimeError(f"{name} is a meta tensor (no data); pass a tensor on {self.device}")
         if x.dim() != 3 or x.shape[0] != rows or x.shape[1] != heads or x.shape[2] != self.head_dim:
             raise KvgenRuntimeError(
                 f"{name} must be [{rows}, {heads}, {self.head_dim}] for this step, got {list(x.shape)}")
@@ -351,6 +382,18 @@ class KVCache:
         if x.device != self.device:
             x = x.to(self.device)
         return x.contiguous()
+
+    def _out(self, out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+        if out is None:
+            return torch.empty_like(q)
+        if (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != self.dtype
+                or out.device != self.device or not out.is_contiguous()):
+            got = (f"{list(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor)
+                   else f"a {type(out).__name__}")
+            raise KvgenRuntimeError(
+                f"out must be a contiguous {list(q.shape)} {self.dtype} tensor on {self.device} "
+                f"(like q), got {got}; or leave out=None")
+        return out
 
     def pool_tensors(self, layer: int, pool: str) -> list[torch.Tensor]:
         """The tensors of one pool of one layer, in kernel order (for page_copy)."""
@@ -409,8 +452,7 @@ class KVCache:
             self.append_kv(layer, None, k, v)
         self._check_written(step, layer)
         q = self._as_input("q", q, step.batch, self.num_q_heads)
-        if out is None:
-            out = torch.empty_like(q)
+        out = self._out(out, q)
         self.kernels["decode"].launch(q, out, pools, step.block_tables, step.seq_lens, step.num_compressed,
                                       self.sm_scale if sm_scale is None else sm_scale,
                                       config=step.configs.get("decode"))
@@ -442,8 +484,7 @@ class KVCache:
             self._write(step, layer, pools, k, v)
         self._check_written(step, layer)
         q = self._as_input("q", q, step.total_tokens, self.num_q_heads)
-        if out is None:
-            out = torch.empty_like(q)
+        out = self._out(out, q)
         if "prefill" not in step.configs:  # a decode step run through prefill
             step.configs["prefill"] = self._config("prefill", (step.batch, max(1, step.max_q_len), step.max_seq_len))
         self.kernels["prefill"].launch(q, out, pools, step.block_tables, step.seq_lens, step.num_compressed,
@@ -479,6 +520,20 @@ class KVCache:
         k = torch.cat(ks).permute(1, 0, 2, 3).reshape(H, -1, D)[:, :n]
         v = torch.cat(vs).permute(1, 0, 2, 3).reshape(H, -1, D)[:, :n]
         return k.float(), v.float()
+
+
+def _check_kernels_can_run(device: torch.device, kernels: Mapping[str, ModuleType]) -> None:
+    """Refuse a CPU cache whose Triton kernels would not run in the interpreter (Triton: '0 active drivers')."""
+    if device.type != "cpu":
+        return
+    # Generated modules record at import whether Triton interprets them (INTERPRET); triton.jit decides then too.
+    compiled = sorted(op for op, mod in kernels.items() if getattr(mod, "INTERPRET", None) is False)
+    if compiled or not triton_interpret():
+        when = (f"the kernels ({', '.join(compiled)}) were imported without it" if compiled and triton_interpret()
+                else "TRITON_INTERPRET is not set")
+        raise KvgenRuntimeError(
+            f"Triton kernels cannot run on the CPU unless interpreted, and {when}: set TRITON_INTERPRET=1 "
+            f"in the environment before triton (or the generated package) is imported, or use a CUDA device")
 
 
 def load(plan: Mapping[str, Any], kernels: Mapping[str, ModuleType], device: torch.device | str | None = None,
