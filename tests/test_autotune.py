@@ -61,9 +61,11 @@ def test_round_trip_with_fake_timer(tmp_path):
     cfg = t.config("decode", mod, (5, 1000), bench, kernel_hash="abcd1234abcd1234")
     assert cfg == {"tile": 32, "warps": 8}
     assert timer.calls == 6  # every candidate once (the default is one of them)
-    path = t.path("abcd1234abcd1234")
+    ident = t.identity(mod, "abcd1234abcd1234")
+    assert ident == "abcd1234abcd1234-src-none"  # spec hash + template tag (a file-less module has none)
+    path = t.path(ident)
     data = json.loads(path.read_text())
-    assert data["kernel_hash"] == "abcd1234abcd1234" and data["device"] == "cpu"
+    assert data["kernel_hash"] == ident and data["device"] == "cpu"
     assert data["entries"]["decode/b8/s1024"]["config"] == cfg
     assert data["entries"]["decode/b8/s1024"]["candidates"] == 6
     # same bucket, other exact sizes: no timing
@@ -92,7 +94,7 @@ def test_progress_bar_is_plain_text(tmp_path):
 @pytest.mark.parametrize("garbage", ["{not json", "[1, 2, 3]", '{"format": 1, "entries": 7}', ""])
 def test_corrupt_file_is_ignored_and_rewritten(tmp_path, garbage):
     t = tuner(tmp_path)
-    path = t.path("c0ffee00c0ffee00")
+    path = t.path(t.identity(fake_module(), "c0ffee00c0ffee00"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(garbage)
     timer = Timer()
@@ -106,8 +108,8 @@ def test_corrupt_file_is_ignored_and_rewritten(tmp_path, garbage):
 def test_key_covers_device_and_triton_version(tmp_path):
     t = tuner(tmp_path)
     t.config("decode", fake_module(), (1, 16), bench, kernel_hash="1234567812345678")
-    name = t.path("1234567812345678").name
-    assert name.startswith("1234567812345678__cpu__triton-")
+    name = t.path(t.identity(fake_module(), "1234567812345678")).name
+    assert name.startswith("1234567812345678-src-none__cpu__triton-")
     other = tuner(tmp_path, Timer())
     other.triton_version = "0.0.0"
     other.config("decode", fake_module(), (1, 16), bench, kernel_hash="1234567812345678")
@@ -185,7 +187,8 @@ def test_second_process_loads_without_tuning(tmp_path):
     assert second == {"config": {"tile": 32, "warps": 8}, "calls": 0}
     # and this process, reading the default cache dir, agrees
     t = Autotuner("cpu", force=True, timer=Timer(), directory=tmp_path)
-    assert t.cached("5ca1ab1e5ca1ab1e")["decode/b4/s512"]["config"] == {"tile": 32, "warps": 8}
+    m = types.ModuleType("fake_decode_kernel")
+    assert t.cached(t.identity(m, "5ca1ab1e5ca1ab1e"))["decode/b4/s512"]["config"] == {"tile": 32, "warps": 8}
 
 
 def test_concurrent_processes_merge_their_winners(tmp_path):
@@ -193,7 +196,7 @@ def test_concurrent_processes_merge_their_winners(tmp_path):
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
-    files = list((tmp_path / "autotune").glob("5ca1ab1e5ca1ab1e__*.json"))
+    files = list((tmp_path / "autotune").glob("5ca1ab1e5ca1ab1e-*.json"))
     assert len(files) == 1
     entries = json.loads(files[0].read_text())["entries"]
     assert set(entries) == {f"decode/b{b}/s512" for b in (1, 8)}
@@ -246,5 +249,6 @@ def test_kvcache_plans_with_tuned_configs(tmp_path):
     assert log[-1] == ("decode", {"tile": 32, "warps": 8})
     cache.plan_step(["a", "b"], [1, 1])  # same bucket: no timing
     assert timer.calls == 12
-    assert (tmp_path / "autotune").joinpath(t.path("deadbeefdeadbeef").name).exists()
-    assert t.path("0123456789abcdef").exists()
+    kernels = cache.kernels
+    assert t.path(t.identity(kernels["decode"], "deadbeefdeadbeef")).exists()
+    assert t.path(t.identity(kernels["prefill"], "0123456789abcdef")).exists()

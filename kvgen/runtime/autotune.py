@@ -1,23 +1,39 @@
-"""Kernel autotuning with results persisted per kernel, device and Triton version.
+"""Kernel configs per shape bucket: a model of the kernel by default, tuned winners when there are some.
 
 Each generated kernel module exposes ``default_config(*shape, device=...)``
 and ``candidates(*shape)``. For a shape bucket (every size rounded up to a
-power of two) the :class:`Autotuner` times each candidate once, keeps the
-fastest and writes it to::
+power of two) :meth:`Autotuner.config` returns, in this order:
 
-    <cache_dir>/autotune/<kernel hash>__<device slug>__triton-<version>.json
-    {"format": 1, "kernel_hash": ..., "device": ..., "triton": ...,
-     "entries": {"decode/b8/s1024": {"config": {...}, "ms": 0.031, "candidates": 24}}}
+1. a winner persisted by an earlier tuning run (this process, another one,
+   or ``kvgen tune`` ahead of time) that is still one of the kernel's
+   candidates (anything else in the file is ignored and retuned);
+2. otherwise the **model** default (:func:`model_config`): for decode the
+   split count, tile and warps that the H200 measurements found best,
+   derived from the SM count, batch, KV heads and context; for other ops the
+   module's own ``default_config``;
+3. and, only when asked to (``KVGEN_AUTOTUNE=sync``, or ``force=True`` in
+   tests), it times a pruned candidate set right there: at most
+   ``max_candidates`` configs ranked by the model, stopping after
+   ``budget_s`` seconds.
 
-so the file name is the key (kernel hash, device name, Triton version) and a
-second process finds the winners without timing anything. Writes are atomic
-(temp file + ``os.replace``) under an ``fcntl.flock`` on a sibling lock
-file, and merge with whatever another process wrote meanwhile. A file that
-does not parse is ignored and rewritten by the next save.
+No timing happens on the request path by default: tune ahead of time with
+:func:`tune` (``kvgen tune``). Winners are written to::
 
-Tuning happens only on a CUDA device with the autotuner enabled; under
-``TRITON_INTERPRET=1``, on the CPU, or for a module without ``candidates``
-the module's ``default_config`` is used.
+    <cache_dir>/autotune/<kernel hash>-<template tag>__<device slug>__triton-<version>.json
+    {"format": 2, "kernel_hash": ..., "device": ..., "triton": ...,
+     "entries": {"decode/b8/s1024": {"config": {...}, "ms": 0.031, "candidates": 8, "seconds": 2.1}}}
+
+The file name is the key: the KernelSpec hash, the template hash of the
+generated module (its ``# template-hash:`` header; a module without one is
+keyed by its source), the device name and the Triton version, so an upgrade
+of the templates never reuses a stale winner. Writes are atomic (temp file +
+``os.replace``) under an ``fcntl.flock`` on a sibling lock file and merge
+with whatever another process wrote meanwhile. A file that does not parse is
+ignored and rewritten by the next save. A cache directory that cannot be
+written (a file in its place, a read-only home) costs one warning per
+directory and process; the winner is still used by this process. Nothing in
+here raises into ``plan_step``: a failure while choosing falls back to the
+model default.
 """
 
 from __future__ import annotations
@@ -25,26 +41,42 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from .env import cache_dir, triton_interpret
+from .env import autotune_mode, cache_dir, triton_interpret
 
-FORMAT = 1
+FORMAT = 2
+MAX_CANDIDATES = 8
+"""Configs timed per bucket: the model's choice and its best-ranked neighbours."""
+BUDGET_S = 5.0
+"""Seconds of tuning per bucket after which no further candidate is started."""
+
+_WARNED: set[str] = set()  # cache roots already warned about in this process
 
 
 def bucket(n: int) -> int:
     """``n`` rounded up to a power of two (at least 1): the shape bucket of one dimension."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _source(module: ModuleType) -> str:
+    path = getattr(module, "__file__", None)
+    if path and os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    return ""
 
 
 def kernel_hash(module: ModuleType, plan_hash: str | None = None) -> str:
@@ -60,17 +92,29 @@ def kernel_hash(module: ModuleType, plan_hash: str | None = None) -> str:
     cached = getattr(module, "__kvgen_hash__", None)
     if cached:
         return cached
-    source = ""
-    path = getattr(module, "__file__", None)
-    if path and os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            source = f.read()
+    source = _source(module)
     for line in source.splitlines()[:10]:
         if line.startswith("# spec: "):
             spec = json.loads(line[len("# spec: "):])
             canonical = json.dumps(spec, sort_keys=True, separators=(",", ":"))
             return hashlib.sha256(canonical.encode()).hexdigest()[:16]
     return hashlib.sha256((module.__name__ + "\n" + source).encode()).hexdigest()[:16]
+
+
+def template_tag(module: ModuleType) -> str:
+    """What the module was rendered from: its ``# template-hash:`` header, else a hash of its source.
+
+    The KernelSpec hash names *what* a kernel computes; the template decides
+    *how*, and with it which configs are fastest (or even valid). A module
+    with neither header nor file (built in a test) gets ``"src-none"``.
+    """
+    source = _source(module)
+    for line in source.splitlines()[:10]:
+        if line.startswith("# template-hash: "):
+            return _slug(line[len("# template-hash: "):].strip())[:32]
+    if not source:
+        return "src-none"
+    return "src-" + hashlib.sha256(source.encode()).hexdigest()[:12]
 
 
 _module_hash = kernel_hash  # Autotuner.config has a parameter of that name
@@ -81,6 +125,15 @@ def device_name(device: torch.device | str) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return device.type
+
+
+def num_sms(device: torch.device | str) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter runs programs one by one)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return int(torch.cuda.get_device_properties(index).multi_processor_count)
+    return 1
 
 
 def _slug(text: str) -> str:
@@ -96,9 +149,136 @@ def _triton_version() -> str:
 
 
 def default_timer(fn: Callable[[], Any]) -> float:
-    """Milliseconds per call of ``fn`` (triton.testing.do_bench: warm-up, then the median)."""
+    """Milliseconds per call of ``fn`` (triton.testing.do_bench: short warm-up, then the median)."""
     from triton.testing import do_bench
-    return float(do_bench(fn, warmup=5, rep=25))
+    return float(do_bench(fn, warmup=5, rep=20))
+
+
+# -- the model ------------------------------------------------------------------
+# Decode, H200 (132 SMs), benchmarks/results/2026-11-29-nvidia-h200 (bench-decode,
+# decode_sweep, decode_pages, session3): the best configs read whole 128-token tiles
+# (8 pages of 16) with 4 warps; stages 2 and 3 are within 1%. Splits only pay while
+# batch x KV heads leaves SMs idle: at 256+ programs (B=32/64 x 8 heads) one split
+# (no reduce kernel) is best or within 2.5%; below one program per SM the winners
+# run about 4 programs per SM (B=8 x 8 heads: 10-20 splits; B=16 x 4 heads at D=64:
+# 10-20; B=1 x 8 heads: 33-66).
+DECODE_TILE_TOKENS = 128
+DECODE_WIDE_TILE_TOKENS = 32   # past D=128 (the template's own choice: K+V stages fit shared memory)
+DECODE_PROGRAMS_PER_SM = 4
+
+
+def decode_model(batch: int, kv_heads: int, max_seq_len: int, page: int, head_dim: int, sms: int,
+                 max_splits: int = 128, min_pages_per_tile: int = 1) -> dict[str, int]:
+    """The decode config the measurements predict best: ``{num_splits, pages_per_tile, num_warps, num_stages}``."""
+    tokens = DECODE_TILE_TOKENS if head_dim <= 128 else DECODE_WIDE_TILE_TOKENS
+    ppt = max(min_pages_per_tile, tokens // page)
+    programs = max(1, batch * kv_heads)
+    splits = 1 if programs >= sms else -(-DECODE_PROGRAMS_PER_SM * sms // programs)
+    tiles = max(1, -(-max(1, -(-max_seq_len // page)) // ppt))
+    return {"num_splits": max(1, min(splits, tiles, max_splits)), "pages_per_tile": ppt,
+            "num_warps": 4, "num_stages": 2}
+
+
+def _is_decode_module(module: ModuleType) -> bool:
+    return all(hasattr(module, n) for n in ("H", "PAGE", "HEAD_DIM", "MAX_SPLITS"))
+
+
+def _distance(cfg: dict[str, Any], ideal: dict[str, Any], page: int) -> float:
+    """How far a decode candidate is from the model's ideal (log2 steps; warps and stages count less)."""
+    def log_gap(a, b):
+        return abs(math.log2(max(1, int(a)) / max(1, int(b))))
+    return (log_gap(cfg.get("num_splits", 1), ideal["num_splits"])
+            + log_gap(int(cfg.get("pages_per_tile", 1)) * page, ideal["pages_per_tile"] * page)
+            + 0.75 * (cfg.get("num_warps") != ideal["num_warps"])
+            + 0.5 * (cfg.get("num_stages") != ideal["num_stages"]))
+
+
+def ranked_candidates(op: str, module: ModuleType, sizes: tuple[int, ...], sms: int,
+                      limit: int = MAX_CANDIDATES) -> list[dict[str, Any]]:
+    """At most ``limit`` configs to time for one bucket (``sizes`` already bucketed), the model's choice first.
+
+    Decode: every candidate ranked by its distance from :func:`decode_model`
+    (split counts are a runtime argument, so most neighbours need no new
+    compile). Other ops: the module's own order (its default first).
+    """
+    cands = [dict(c) for c in module.candidates(*sizes)]
+    first = model_config(op, module, sizes, sms, cands)
+    out = [first] if first is not None else []
+    if op == "decode" and _is_decode_module(module):
+        ideal = _decode_ideal(module, sizes, sms)
+        cands.sort(key=lambda c: _distance(c, ideal, int(module.PAGE)))
+    for c in cands:
+        if len(out) >= limit:
+            break
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _decode_ideal(module: ModuleType, sizes: tuple[int, ...], sms: int) -> dict[str, int]:
+    batch, seq = sizes[0], sizes[-1]
+    return decode_model(batch, int(module.H), seq, int(module.PAGE), int(module.HEAD_DIM), sms,
+                        int(module.MAX_SPLITS), int(getattr(module, "MIN_PAGES_PER_TILE", 1)))
+
+
+def model_config(op: str, module: ModuleType, sizes: tuple[int, ...], sms: int,
+                 cands: list[dict[str, Any]] | None = None, device: torch.device | str | None = None
+                 ) -> dict[str, Any] | None:
+    """The config used for a bucket nothing was tuned for (``sizes`` already bucketed).
+
+    Decode modules: the candidate nearest :func:`decode_model` in its compiled
+    parameters (tile, warps, stages: so it is always one the kernel offers),
+    with the model's split count. Others: the module's ``default_config``.
+    """
+    if op == "decode" and _is_decode_module(module) and hasattr(module, "candidates"):
+        ideal = _decode_ideal(module, sizes, sms)
+        cands = cands if cands is not None else [dict(c) for c in module.candidates(*sizes)]
+        if cands:
+            page = int(module.PAGE)
+            best = min(cands, key=lambda c: _distance(dict(c, num_splits=ideal["num_splits"]), ideal, page))
+            ppt = int(best.get("pages_per_tile", ideal["pages_per_tile"]))
+            tiles = max(1, -(-max(1, -(-sizes[-1] // page)) // ppt))
+            return dict(best, num_splits=max(1, min(ideal["num_splits"], tiles, int(module.MAX_SPLITS))))
+        return ideal
+    fn = getattr(module, "default_config", None)
+    if fn is None:
+        return None
+    if device is None:
+        device = "cuda" if sms > 1 else "cpu"
+    return dict(fn(*sizes, device=torch.device(device)))
+
+
+def valid_config(config: Any, module: ModuleType, sizes: tuple[int, ...], device: torch.device | str = "cpu") -> bool:
+    """Whether ``config`` is one the kernel can launch: keys and values as its candidates use them.
+
+    Every key of the module's default config must be there and no other;
+    each value must be an int (never a bool) that some candidate (or the
+    default) uses for that key, except ``num_splits``, a runtime argument
+    that may be any value from 1 to the module's ``MAX_SPLITS``.
+    """
+    if not isinstance(config, dict) or not config:
+        return False
+    try:
+        known = [dict(c) for c in getattr(module, "candidates", lambda *a: [])(*sizes)]
+        fn = getattr(module, "default_config", None)
+        if fn is not None:
+            known.append(dict(fn(*sizes, device=torch.device(device))))
+    except Exception:
+        return False
+    if not known:
+        return False
+    keys = set(known[-1])
+    if set(config) != keys:
+        return False
+    for k, v in config.items():
+        if not isinstance(v, int) or isinstance(v, bool):
+            return False
+        if k == "num_splits" and hasattr(module, "MAX_SPLITS"):
+            if not 1 <= v <= int(module.MAX_SPLITS):
+                return False
+        elif v not in {c.get(k) for c in known}:
+            return False
+    return True
 
 
 class _Progress:
@@ -110,14 +290,14 @@ class _Progress:
         self.done = 0
         self.best = float("inf")
 
-    def step(self, ms: float) -> None:
+    def step(self, ms: float, last: bool = False) -> None:
         self.done += 1
         self.best = min(self.best, ms)
         filled = self.width * self.done // self.total
         best = f"{self.best:.4f} ms" if self.best < float("inf") else "-"
         self.stream.write(f"\rkvgen autotune {self.label} [{'#' * filled}{'.' * (self.width - filled)}] "
                           f"{self.done}/{self.total} best {best}")
-        if self.done == self.total:
+        if self.done == self.total or last:
             self.stream.write("\n")
         self.stream.flush()
 
@@ -134,31 +314,58 @@ def _locked(lock_path: Path):
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+def _warn_once(key: str, message: str) -> None:
+    """One RuntimeWarning per ``key`` (a cache folder, a failing op) and process: tuning problems never repeat."""
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 class Autotuner:
-    """Chooses a config per (kernel, shape bucket); tunes once, remembers on disk.
+    """Chooses a config per (kernel, shape bucket): remembered winner, else the model; tunes when asked.
 
     ``config(op, module, shape, make_bench, kernel_hash=None)``: ``shape`` is
     the tuple of sizes the module's ``candidates``/``default_config`` take
     (decode: ``(batch, max_seq_len)``; prefill: ``(batch, max_q_len,
     max_seq_len)``), bucketed here; ``make_bench(config)`` returns a
     zero-argument callable that runs the kernel once with that config on
-    representative inputs. ``timer(fn) -> ms`` defaults to
-    ``triton.testing.do_bench``; ``force=True`` tunes even off-GPU (tests).
+    representative inputs. It never raises: whatever goes wrong while
+    choosing ends in the model default (and a warning).
+
+    ``mode`` (default: ``KVGEN_AUTOTUNE``, see :mod:`.env`): ``"cached"``
+    uses persisted winners and otherwise the model, never timing on the
+    request path; ``"sync"`` also tunes a bucket the first time it is seen
+    (pruned to ``max_candidates``, at most about ``budget_s`` seconds);
+    ``"off"`` ignores persisted winners too. ``enabled=False`` never times on
+    the request path. :meth:`tune` times a bucket explicitly (ahead of time).
+    ``timer(fn) -> ms`` defaults to ``triton.testing.do_bench``;
+    ``force=True`` tunes on first use even off-GPU (tests).
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, enabled: bool = True,
                  directory: str | Path | None = None, timer: Callable[[Callable[[], Any]], float] | None = None,
-                 force: bool = False, progress: bool = True, stream=None) -> None:
+                 force: bool = False, progress: bool = True, stream=None, mode: str | None = None,
+                 max_candidates: int = MAX_CANDIDATES, budget_s: float = BUDGET_S) -> None:
         self.device = torch.device(device)
         self.enabled = enabled
         self.force = force
+        self.mode = autotune_mode() if mode is None else mode
+        if self.mode not in ("off", "cached", "sync"):
+            from .errors import KvgenRuntimeError
+            raise KvgenRuntimeError(f"autotune mode must be 'off', 'cached' or 'sync', got {self.mode!r}")
         self.directory = Path(directory) if directory is not None else None
         self.timer = timer or default_timer
         self.progress = progress
         self.stream = stream
+        self.max_candidates = max(1, int(max_candidates))
+        self.budget_s = float(budget_s)
         self.device_name = device_name(self.device)
+        self.sms = num_sms(self.device)
         self.triton_version = _triton_version()
-        self._entries: dict[str, dict[str, Any]] = {}  # kernel hash -> bucket key -> entry
+        self._entries: dict[str, dict[str, Any]] = {}  # identity -> bucket key -> entry
+        self._chosen: dict[tuple[str, str], tuple[dict[str, Any] | None, str]] = {}  # -> (config, origin)
+        self._ids: dict[tuple[int, str | None], tuple[ModuleType, str]] = {}
         self.tuned: list[str] = []  # bucket keys timed by this object (for tests and logs)
 
     # -- where -----------------------------------------------------------
@@ -168,12 +375,23 @@ class Autotuner:
     def path(self, khash: str) -> Path:
         return self.root() / f"{khash}__{_slug(self.device_name)}__triton-{_slug(self.triton_version)}.json"
 
+    def identity(self, module: ModuleType, plan_hash: str | None = None) -> str:
+        """``<KernelSpec hash>-<template tag>``: what a persisted winner is keyed by (memoized per module)."""
+        memo = self._ids.get((id(module), plan_hash))
+        if memo is None or memo[0] is not module:
+            memo = (module, f"{_module_hash(module, plan_hash)}-{template_tag(module)}")
+            self._ids[(id(module), plan_hash)] = memo
+        return memo[1]
+
+    def can_time(self) -> bool:
+        """Whether timing is possible at all: a CUDA device outside the interpreter, or ``force``."""
+        return self.force or (self.device.type == "cuda" and not triton_interpret())
+
     def should_tune(self) -> bool:
+        """Whether :meth:`config` times a bucket it has no winner for (on the request path)."""
         if not self.enabled:
             return False
-        if self.force:
-            return True
-        return self.device.type == "cuda" and not triton_interpret()
+        return self.force or (self.mode == "sync" and self.can_time())
 
     # -- persistence -------------------------------------------------------
     def _read(self, khash: str) -> dict[str, Any]:
@@ -190,23 +408,31 @@ class Autotuner:
                 if isinstance(e, dict) and isinstance(e.get("config"), dict)}
 
     def _save(self, khash: str, key: str, entry: dict[str, Any]) -> None:
+        """Merge ``entry`` into the file; an unwritable cache is a warning (the entry stays in memory)."""
+        self.cached(khash)[key] = entry
         path = self.path(khash)
-        with _locked(path.with_name(path.name + ".lock")):
-            entries = self._read(khash)  # merge with what other processes wrote
-            entries[key] = entry
-            data = {"format": FORMAT, "kernel_hash": khash, "device": self.device_name,
-                    "triton": self.triton_version, "entries": dict(sorted(entries.items()))}
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    json.dump(data, f, indent=1, sort_keys=True)
-                    f.write("\n")
-                os.replace(tmp, path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
-        self._entries[khash] = entries
+        try:
+            with _locked(path.with_name(path.name + ".lock")):
+                entries = self._read(khash)  # merge with what other processes wrote
+                entries[key] = entry
+                data = {"format": FORMAT, "kernel_hash": khash, "device": self.device_name,
+                        "triton": self.triton_version, "entries": dict(sorted(entries.items()))}
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+                try:
+                    with os.fdopen(fd, "w", encoding="utf-8") as f:
+                        json.dump(data, f, indent=1, sort_keys=True)
+                        f.write("\n")
+                    os.replace(tmp, path)
+                except BaseException:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+                    raise
+        except OSError as err:
+            _warn_once(str(self.root()), f"kvgen autotune: cannot save tuned configs under {self.root()} "
+                       f"({type(err).__name__}: {err}); they are kept in memory for this process only. "
+                       f"Point KVGEN_CACHE_DIR at a writable folder to keep them.")
+            return
+        self._entries[khash] = dict(entries)
 
     def cached(self, khash: str) -> dict[str, Any]:
         if khash not in self._entries:
@@ -220,48 +446,131 @@ class Autotuner:
         parts = [f"{names[i] if i < len(names) else 'x'}{bucket(n)}" for i, n in enumerate(shape)]
         return "/".join([op, *parts])
 
-    def default(self, module: ModuleType, shape: tuple[int, ...]) -> dict[str, Any] | None:
-        fn = getattr(module, "default_config", None)
-        if fn is None:
-            return None
-        return dict(fn(*[bucket(n) for n in shape], device=self.device))
+    def default(self, module: ModuleType, shape: tuple[int, ...], op: str = "") -> dict[str, Any] | None:
+        """The model's config for the bucket of ``shape`` (on the CPU: the module's own default)."""
+        sizes = tuple(bucket(n) for n in shape)
+        if self.device.type != "cuda":
+            fn = getattr(module, "default_config", None)
+            return None if fn is None else dict(fn(*sizes, device=self.device))
+        return model_config(op, module, sizes, self.sms, device=self.device)
+
+    def origin(self, op: str, module: ModuleType, shape: tuple[int, ...], kernel_hash: str | None = None) -> str | None:
+        """Where the config last chosen for this bucket came from: ``"cache"``, ``"tuned"``, ``"model"``."""
+        got = self._chosen.get((self.identity(module, kernel_hash), self.key(op, shape)))
+        return None if got is None else got[1]
 
     def config(self, op: str, module: ModuleType, shape: tuple[int, ...],
                make_bench: Callable[[dict[str, Any]], Callable[[], Any]] | None = None,
                kernel_hash: str | None = None) -> dict[str, Any] | None:
-        """The config to launch ``module`` with at ``shape``: tuned, remembered, or the default."""
-        khash = _module_hash(module, kernel_hash)
-        key = self.key(op, shape)
-        entry = self.cached(khash).get(key)
-        if entry is not None:
-            return dict(entry["config"])
-        if not self.should_tune() or make_bench is None or not hasattr(module, "candidates"):
-            return self.default(module, shape)
-        return self._tune(op, module, shape, make_bench, khash, key)
+        """The config to launch ``module`` with at ``shape``: remembered, tuned (if asked), or the model's."""
+        try:
+            khash = self.identity(module, kernel_hash)
+            key = self.key(op, shape)
+            memo = self._chosen.get((khash, key))
+            if memo is not None:
+                return None if memo[0] is None else dict(memo[0])
+            sizes = tuple(bucket(n) for n in shape)
+            chosen, origin = None, "model"
+            entry = self.cached(khash).get(key) if self.mode != "off" else None
+            if entry is not None and valid_config(entry["config"], module, sizes, self.device):
+                chosen, origin = dict(entry["config"]), "cache"
+            elif self.should_tune() and make_bench is not None and hasattr(module, "candidates"):
+                got = self._tune(op, module, sizes, make_bench, khash, key)
+                if got is not None:
+                    chosen, origin = got["config"], "tuned"
+            if chosen is None:
+                chosen = self.default(module, shape, op)
+            self._chosen[(khash, key)] = (chosen, origin)
+            return None if chosen is None else dict(chosen)
+        except Exception as err:  # choosing a config must never break plan_step: the kernel's default is safe
+            _warn_once(f"<config {op} {getattr(module, '__name__', '?')}>",
+                       f"kvgen autotune: choosing a {op} config failed ({type(err).__name__}: {err}); "
+                       f"the kernel's built-in default is used")
+            return None
 
-    def _tune(self, op, module, shape, make_bench, khash, key) -> dict[str, Any] | None:
-        sizes = [bucket(n) for n in shape]
-        cands = [dict(c) for c in module.candidates(*sizes)]
-        default = self.default(module, shape)
-        if default is not None and default not in cands:
-            cands.insert(0, default)
+    def tune(self, op: str, module: ModuleType, shape: tuple[int, ...],
+             make_bench: Callable[[dict[str, Any]], Callable[[], Any]], kernel_hash: str | None = None,
+             *, retune: bool = False) -> dict[str, Any] | None:
+        """Time the bucket of ``shape`` now (ahead of time) and persist the winner; returns its entry.
+
+        A valid persisted winner is returned as is unless ``retune``. None
+        when nothing could be timed (no CUDA device, every candidate failed).
+        """
+        if not self.can_time() or not hasattr(module, "candidates"):
+            return None
+        khash = self.identity(module, kernel_hash)
+        key = self.key(op, shape)
+        sizes = tuple(bucket(n) for n in shape)
+        entry = self.cached(khash).get(key)
+        if not retune and entry is not None and valid_config(entry["config"], module, sizes, self.device):
+            self._chosen[(khash, key)] = (dict(entry["config"]), "cache")
+            return dict(entry)
+        got = self._tune(op, module, sizes, make_bench, khash, key)
+        if got is not None:
+            self._chosen[(khash, key)] = (dict(got["config"]), "tuned")
+        return got
+
+    def _tune(self, op, module, sizes, make_bench, khash, key) -> dict[str, Any] | None:
+        cands = ranked_candidates(op, module, sizes, self.sms, self.max_candidates)
+        if self.device.type != "cuda":  # forced (tests): the module's default leads, as on the CPU
+            first = self.default(module, sizes, op)
+            if first is not None:
+                cands = [first] + [c for c in cands if c != first][:self.max_candidates - 1]
         if not cands:
-            return default
+            return None
         bar = _Progress(f"{key} ({khash[:8]})", len(cands), self.stream) if self.progress else None
-        best, best_ms = None, float("inf")
+        best, best_ms, timed = None, float("inf"), 0
         start = time.perf_counter()
-        for cfg in cands:
+        for i, cfg in enumerate(cands):
+            if i and time.perf_counter() - start > self.budget_s:
+                if bar is not None:
+                    bar.stream.write(f" (budget {self.budget_s:g} s spent)\n")
+                break
             try:
                 ms = float(self.timer(make_bench(cfg)))
             except Exception:  # a config the device cannot run (registers, shared memory): skip it
                 ms = float("inf")
+            timed += 1
             if ms < best_ms:
                 best, best_ms = cfg, ms
             if bar is not None:
                 bar.step(ms)
         if best is None:
-            return default
+            return None
         self.tuned.append(key)
-        self._save(khash, key, {"config": best, "ms": best_ms, "candidates": len(cands),
-                                "seconds": round(time.perf_counter() - start, 3)})
-        return dict(best)
+        entry = {"config": dict(best), "ms": best_ms, "candidates": timed,
+                 "seconds": round(time.perf_counter() - start, 3)}
+        self._save(khash, key, entry)
+        return dict(entry)
+
+
+def tune(cache: Any, shapes: Iterable[tuple[int, int]], *, ops: Iterable[str] = ("decode", "prefill"),
+         prefill_tokens: int | None = None, retune: bool = False) -> list[dict[str, Any]]:
+    """Tune a loaded :class:`~.cache.KVCache`'s kernels ahead of time (what ``kvgen tune`` runs).
+
+    ``shapes``: ``(batch, context)`` pairs; decode is tuned at ``(batch,
+    context)``, prefill at ``(batch, prefill_tokens or context, context)``.
+    Winners are persisted where the cache's autotuner keeps them, so serving
+    processes find them without timing. Returns one record per bucket:
+    ``{op, key, config, ms, candidates, seconds}`` (``config`` None when
+    nothing could be timed). Needs a CUDA device (outside the interpreter).
+    """
+    from .errors import KvgenRuntimeError
+
+    tuner = cache.autotuner
+    if not tuner.can_time():
+        raise KvgenRuntimeError("kvgen tune times kernels on a CUDA GPU; run it on the serving machine "
+                                "(not on the CPU or under TRITON_INTERPRET=1)")
+    records = []
+    for batch, context in shapes:
+        for op in ops:
+            if op not in cache.kernels:
+                continue
+            shape = (batch, context) if op == "decode" else (batch, prefill_tokens or context, context)
+            t0 = time.perf_counter()
+            entry = tuner.tune(op, cache.kernels[op], shape, lambda cfg, op=op, shape=shape: cache._bench(op, shape, cfg),
+                               cache._hashes.get(op), retune=retune) or {}
+            records.append({"op": op, "key": tuner.key(op, shape), "config": entry.get("config"),
+                            "ms": entry.get("ms"), "candidates": entry.get("candidates"),
+                            "seconds": round(time.perf_counter() - t0, 3)})
+    return records

@@ -8,6 +8,11 @@ re-exports it for the compiler side.
   (default ``~/.cache/kvgen``).
 - ``KVGEN_PLUGINS``: comma-separated allow-list of entry-point names in the
   ``kvgen.plugins`` group; unset means every installed plugin loads.
+- ``KVGEN_AUTOTUNE``: how kernel configs are chosen per shape bucket:
+  ``cached`` (default) uses winners tuned earlier (``kvgen tune``) and
+  otherwise a model of the kernel, never timing while a request waits;
+  ``sync`` also tunes a new bucket on first use (a few seconds, once);
+  ``off`` ignores tuned winners too (the model's configs only).
 - ``TRITON_INTERPRET``: when ``1``, Triton kernels run on the CPU
   interpreter; kvgen then skips autotuning and keeps tensors on the CPU.
 """
@@ -35,3 +40,17 @@ def plugin_allow_list() -> frozenset[str] | None:
 def triton_interpret() -> bool:
     """True when Triton runs kernels on the CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+AUTOTUNE_MODES = ("cached", "sync", "off")
+
+
+def autotune_mode() -> str:
+    """``KVGEN_AUTOTUNE``: ``cached`` (default), ``sync`` or ``off``."""
+    raw = os.environ.get("KVGEN_AUTOTUNE", "").strip().lower()
+    if not raw:
+        return "cached"
+    if raw not in AUTOTUNE_MODES:
+        from .errors import KvgenRuntimeError
+        raise KvgenRuntimeError(f"KVGEN_AUTOTUNE must be one of {', '.join(AUTOTUNE_MODES)}, got {raw!r}")
+    return raw
