@@ -1,0 +1,105 @@
+"""Decode steps as CUDA graphs: the whole model (every layer) captured once per batch-size bucket.
+
+The runtime's StepMetadata views move between steps (they are slices of a
+grow-only buffer whose offsets depend on the batch and the table width),
+so the graphs read engine-owned static buffers instead -- token ids,
+positions, block tables ``[max_batch, max_pages]``, sequence lengths,
+compressed-page counts and the slot mapping -- which :meth:`run` fills from
+the step's metadata (device-to-device copies) before a replay. Rows beyond
+the batch are padding: slot -1 (the cache write skips it) and length 0;
+their outputs are dropped.
+
+A step replays only when it is a pure decode step without page copies or
+conversions (copy-on-write after a fork, residual-page quantization) and in
+a single phase; anything else runs eagerly through the runtime (the same
+model code). Kernel configs are the kernels' shape defaults (graphs fix
+them at capture).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from .model import CausalLM
+
+SMALL_BUCKETS = (1, 2, 4, 8)
+
+
+def buckets_for(max_batch: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, 8, then multiples of 16, the last one >= ``max_batch``."""
+    cands = [*SMALL_BUCKETS, *range(16, max_batch + 16, 16)]
+    return [c for c in cands if c < max_batch] + [next(c for c in cands if c >= max_batch)]
+
+
+class DecodeGraphs:
+    """Captured decode graphs over ``model`` and ``cache`` (a KVCache on a CUDA device)."""
+
+    def __init__(self, model: CausalLM, cache: Any, max_batch: int, max_model_len: int, *, verbose: bool = True) -> None:
+        self.model, self.cache = model, cache
+        dev = cache.device
+        self.buckets = buckets_for(max_batch)
+        self.max_batch = self.buckets[-1]
+        self.max_pages = -(-max_model_len // cache.page_size) + 1
+        n = self.max_batch
+        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.num_compressed = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        pool = None
+        for i, b in enumerate(reversed(self.buckets)):
+            if verbose:
+                print(f"\rkvgen: capturing decode graphs {i + 1}/{len(self.buckets)} (batch {b})",
+                      end="", file=sys.stderr, flush=True)
+            attend = self._attend(b)
+            model(self.ids[:b], self.pos[:b], attend)  # warm-up: Triton compiles outside the capture
+            torch.cuda.synchronize(dev)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.outputs[b] = model(self.ids[:b], self.pos[:b], attend)
+            pool = g.pool()
+            self.graphs[b] = g
+        torch.cuda.synchronize(dev)
+        if verbose:
+            print(file=sys.stderr)
+
+    def _attend(self, b: int):
+        cache = self.cache
+        write, decode = cache.kernels["cache_write"], cache.kernels["decode"]
+        slots, tables = self.slots[:b], self.block_tables[:b]
+        lens, ncomp = self.seq_lens[:b], self.num_compressed[:b]
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            pools = cache.pools[layer]
+            write.launch(k.contiguous(), v.contiguous(), pools, slots)
+            out = torch.empty_like(q)
+            decode.launch(q.contiguous(), out, pools, tables, lens, ncomp, cache.sm_scale)
+            return out
+
+        return attend
+
+    def can_run(self, step: Any) -> bool:
+        return (step.is_decode and step.batch <= self.max_batch and step.num_copies == 0
+                and step.num_conversions == 0 and len(step.phases) == 1 and step.max_pages <= self.max_pages)
+
+    def run(self, step: Any, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[B, hidden]`` of a decode step (check :meth:`can_run` first)."""
+        B = step.batch
+        b = next(x for x in self.buckets if x >= B)
+        self.ids[:B].copy_(input_ids)
+        self.pos[:B].copy_(positions)
+        self.block_tables[:B, :step.max_pages].copy_(step.block_tables)
+        self.seq_lens[:B].copy_(step.seq_lens)
+        self.num_compressed[:B].copy_(step.num_compressed)
+        self.slots[:B].copy_(step.slot_mapping)
+        if b > B:
+            self.seq_lens[B:b].zero_()
+            self.slots[B:b].fill_(-1)
+        self.graphs[b].replay()
+        return self.outputs[b][:B]

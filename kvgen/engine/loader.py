@@ -1,0 +1,157 @@
+"""From a model folder (or a config, for random weights) to a running :class:`LLMEngine`.
+
+Plans the KV cache for the model and the device (the detected GPU, or the
+``cpu`` target preset on the CPU / under the Triton interpreter), compiles
+the plan into the cache directory (a no-op when already compiled), loads the
+runtime with the requested capacity, builds the model, loads its weights,
+optionally captures decode CUDA graphs, and prints a one-line summary.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ModelConfig
+from .engine import LLMEngine
+from .errors import EngineError
+from .runner import ModelRunner
+from .weights import build_model, load_weights, random_weights
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+CPU_BATCHED_TOKENS = 256
+GPU_BATCHED_TOKENS = 8192
+MAX_NUM_SEQS = 256
+
+
+def resolve_dtype(dtype: Any, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """``dtype`` (name or torch dtype); default float32 on the CPU, else the config's (bfloat16 for float32)."""
+    if dtype is None or dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        name = cfg.torch_dtype or "bfloat16"
+        return torch.bfloat16 if name == "float32" else DTYPES.get(name, torch.bfloat16)
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise EngineError(f"dtype {dtype} is not supported; use bfloat16, float16 or float32")
+        return dtype
+    if dtype not in DTYPES:
+        raise EngineError(f"dtype {dtype!r} is not supported; use bfloat16, float16 or float32")
+    return DTYPES[dtype]
+
+
+def _hf_config(folder: Path | None, cfg: ModelConfig, raw: dict[str, Any] | None):
+    """A transformers config object for the planner (it reads the model's shape from one)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if folder is not None:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    conf = PretrainedConfig.from_dict(dict(raw or {}))
+    conf._name_or_path = f"random-{cfg.model_type}"
+    return conf
+
+
+def _eos_ids(folder: Path | None, cfg: ModelConfig, tokenizer: Any) -> set[int]:
+    ids = set(cfg.eos_token_ids)
+    if folder is not None and (folder / "generation_config.json").is_file():
+        eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: Any = None,
+                 device: torch.device | str | None = None, max_num_seqs: int | None = None,
+                 max_model_len: int | None = None, max_tokens: int | None = None,
+                 max_num_batched_tokens: int | None = None, page_size: int | None = None, target: str | None = None,
+                 enforce_eager: bool = False, config: dict[str, Any] | None = None, seed: int = 0,
+                 verbose: bool = True) -> LLMEngine:
+    """An engine for the model folder ``model`` (or, with ``config=`` a config.json dict, random weights).
+
+    ``kv``: the KV-cache scheme (``bf16``, ``int8``, ``int4``, ... with
+    options as on the command line). ``max_tokens``: tokens of KV pages
+    (default: the plan's capacity on a GPU, ``max_model_len * max_num_seqs``
+    (at least 16384) on the CPU). ``max_model_len``: prompt + output limit
+    (default: the model's positions, at most the capacity).
+    ``max_num_seqs``/``max_num_batched_tokens``: the scheduler's batch
+    limits (defaults from the capacity). ``enforce_eager``: no CUDA graphs.
+    """
+    from kvgen.integrations.transformers import compile_for_model, plan_for_model
+    from kvgen.runtime import default_device
+
+    folder = None
+    if config is None:
+        if model is None:
+            raise EngineError("pass a model folder (or config= for random weights)")
+        folder = Path(model).expanduser()
+        if not folder.is_dir():
+            raise EngineError(f"no model folder at {model}; pass a Hugging Face folder (config.json + safetensors)")
+        cfg = ModelConfig.from_folder(folder)
+    else:
+        cfg = ModelConfig.from_dict(config, "config")
+    dev = torch.device(device) if device is not None else default_device()
+    torch_dtype = resolve_dtype(dtype, cfg, dev)
+    if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
+        raise EngineError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
+    limit = cfg.max_position_embeddings if cfg.sliding_window is None else min(cfg.max_position_embeddings,
+                                                                               cfg.sliding_window)
+    if max_model_len is not None and max_model_len > limit:
+        raise EngineError(f"max_model_len {max_model_len} exceeds the model's {limit} positions"
+                          f"{' (sliding window)' if cfg.sliding_window else ''}; lower it")
+    shim = types.SimpleNamespace(config=_hf_config(folder, cfg, config), dtype=torch_dtype, device=dev)
+    plan = plan_for_model(shim, kv, device=dev, target=target, context=max_model_len or limit,
+                          concurrency=max_num_seqs or 1, page_size=page_size)
+    package = compile_for_model(plan)
+    if max_tokens is None:
+        if dev.type == "cuda":
+            max_tokens = plan.capacity_tokens
+        else:
+            max_tokens = min(plan.capacity_tokens, max((max_model_len or limit) * (max_num_seqs or 4), 16384))
+    cache = package.load(device=dev, max_tokens=max_tokens, autotune=dev.type == "cuda",
+                         max_seqs=max_num_seqs or 4)
+    capacity = cache.capacity_tokens
+    if max_model_len is None:
+        max_model_len = min(limit, capacity)
+    elif max_model_len > capacity:
+        raise EngineError(f"max_model_len {max_model_len} exceeds the cache's {capacity} tokens; "
+                          f"lower it or raise max_tokens")
+    if max_num_seqs is None:
+        max_num_seqs = max(1, min(MAX_NUM_SEQS, capacity // cache.page_size))
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = GPU_BATCHED_TOKENS if dev.type == "cuda" else CPU_BATCHED_TOKENS
+    if max_num_seqs < 1 or max_num_batched_tokens < 1:
+        raise EngineError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+    net = build_model(cfg, max_model_len, dev, torch_dtype)
+    if folder is None:
+        random_weights(net, seed)
+    else:
+        load_weights(net, folder)
+    tokenizer = None
+    if folder is not None and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
+                                                                     "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    use_graphs = dev.type == "cuda" and not enforce_eager
+    if verbose:
+        print(f"kvgen: {plan.model} kv={plan.scheme} dtype={str(torch_dtype).replace('torch.', '')} "
+              f"page={cache.page_size} capacity={capacity} tokens ({capacity // max_model_len} x {max_model_len}-token "
+              f"sequences) max_num_seqs={max_num_seqs} max_num_batched_tokens={max_num_batched_tokens} "
+              f"device={dev} graphs={'on' if use_graphs else 'off'}", file=sys.stderr)
+    graphs = None
+    if use_graphs:
+        from .graphs import DecodeGraphs
+        graphs = DecodeGraphs(net, cache, max_num_seqs, max_model_len, verbose=verbose)
+    engine = LLMEngine(ModelRunner(net, cache, graphs), cache, tokenizer, max_model_len=max_model_len,
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       eos_token_ids=_eos_ids(folder, cfg, tokenizer), vocab_size=cfg.vocab_size)
+    engine.plan = plan
+    engine.model_config = cfg
+    return engine

@@ -1,0 +1,150 @@
+"""The Llama-family decoder in plain torch; attention goes through a callable (the kvgen runtime).
+
+Parameters are named as in Hugging Face checkpoints (``model.layers.3.
+self_attn.q_proj.weight``...), so loading is a name-for-name copy into
+preallocated tensors. q/k/v/o and gate/up/down are separate ``[out, in]``
+weights with head-major rows: a later tensor-parallel split cuts q/k/v and
+gate/up by rows (column-parallel) and o/down by columns (row-parallel).
+
+``forward(input_ids, positions, attend)`` runs every layer over the step's
+flat tokens; ``attend(layer, q, k, v)`` (``q [T, Hq, D]``, ``k``/``v``
+``[T, Hkv, D]``, after RoPE) returns ``[T, Hq, D]``. The engine passes the
+runtime's prefill or decode op there, or, inside a CUDA graph, the kernels
+on static buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .rope import Rotary
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)`` with an uninitialized ``[out, in]`` weight (filled by the loader)."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = _param(n_out, n_in)
+        self.bias = _param(n_out) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Hugging Face's LlamaRMSNorm: normalize in float32, cast back, then scale."""
+
+    def __init__(self, n: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _param(n)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.q_proj = Linear(H, cfg.q_size, cfg.qkv_bias)
+        self.k_proj = Linear(H, cfg.kv_size, cfg.qkv_bias)
+        self.v_proj = Linear(H, cfg.kv_size, cfg.qkv_bias)
+        self.o_proj = Linear(cfg.q_size, H, cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, layer: int, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                attend: Attend) -> torch.Tensor:
+        T, D = x.shape[0], self.cfg.head_dim
+        q = self.q_proj(x).view(T, -1, D)
+        k = self.k_proj(x).view(T, -1, D)
+        v = self.v_proj(x).view(T, -1, D)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary.apply(q, k, positions)
+        out = attend(layer, q, k, v)
+        return self.o_proj(out.reshape(T, -1).to(x.dtype))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(H, I, cfg.mlp_bias)
+        self.up_proj = Linear(H, I, cfg.mlp_bias)
+        self.down_proj = Linear(I, H, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size,
+                                                                                              cfg.hidden_size))
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The whole decoder plus LM head. Build with :func:`kvgen.engine.weights.build_model`."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.max_positions = max_positions
+        self.model = _Body(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
+        self.rotary: Rotary | None = None
+
+    def setup_rotary(self) -> None:
+        """Build the cos/sin tables on the parameters' device and dtype (after they are placed)."""
+        w = self.model.norm.weight
+        self.rotary = Rotary(self.cfg, self.max_positions, w.device, w.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the last layer (before the final norm)."""
+        h = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            residual = h
+            h = layer.self_attn(i, layer.input_layernorm(h), positions, self.rotary, attend)
+            h = residual + h
+            residual = h
+            h = residual + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, vocab]`` of hidden rows ``[N, hidden]``."""
+        h = self.model.norm(hidden)
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(h, w).float()

@@ -1,0 +1,116 @@
+"""Turn logits into tokens per SamplingParams: penalties, temperature, top-k/top-p/min-p, seeded draws.
+
+Draws use the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which
+picks token ``i`` with probability ``p_i``: one batched draw for unseeded
+rows, each seeded row from its own ``torch.Generator`` (so its tokens do not
+depend on what it is batched with). Greedy rows take the argmax of the
+penalized logits. Log-probabilities are of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class SampleSlot:
+    """One token to draw: from logits row ``row`` with ``params``; ``history`` = (prompt ids, output ids)."""
+
+    row: int
+    params: SamplingParams
+    generator: Any
+    prompt_ids: list[int]
+    output_ids: list[int]
+    banned: tuple[int, ...] = ()  # ids masked out (EOS/stop ids before min_tokens)
+
+
+@dataclass
+class Sampled:
+    token: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+def _penalize(x: torch.Tensor, slot: SampleSlot) -> None:
+    p = slot.params
+    dev = x.device
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(slot.prompt_ids) | set(slot.output_ids)), dtype=torch.long, device=dev)
+        if seen.numel():
+            v = x.index_select(0, seen)
+            x.index_copy_(0, seen, torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty))
+    if (p.presence_penalty or p.frequency_penalty) and slot.output_ids:
+        counts = torch.bincount(torch.tensor(slot.output_ids, dtype=torch.long, device=dev), minlength=x.numel())
+        counts = counts.to(x.dtype)
+        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+
+
+def filter_logits(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Probabilities ``[S, V]`` after temperature, top-k, top-p and min-p (per-row settings, off = no-op)."""
+    x = x / temperature[:, None]
+    V = x.shape[1]
+    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
+    srt, idx = x.sort(dim=1, descending=True)
+    kth = srt.gather(1, (k - 1)[:, None])
+    drop = srt < kth
+    probs = torch.softmax(srt.masked_fill(drop, float("-inf")), dim=1)
+    cum = probs.cumsum(1)
+    drop |= (cum - probs) > top_p[:, None]  # keep the smallest head whose mass reaches top_p (at least one)
+    probs = probs.masked_fill(drop, 0.0)
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    probs = probs.masked_fill(drop, 0.0)
+    probs = probs / probs.sum(1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, idx, probs)
+
+
+def sample(logits: torch.Tensor, slots: list[SampleSlot]) -> list[Sampled]:
+    """One token per slot from float32 ``logits [N, V]``; one host sync for the whole batch."""
+    dev = logits.device
+    rows = torch.tensor([s.row for s in slots], dtype=torch.long, device=dev)
+    raw = logits.index_select(0, rows)
+    x = raw
+    if any(s.params.penalized or s.banned for s in slots):
+        x = raw.clone()
+        for i, s in enumerate(slots):
+            if s.params.penalized:
+                _penalize(x[i], s)
+            if s.banned:
+                x[i, list(s.banned)] = float("-inf")
+    greedy = [s.params.greedy for s in slots]
+    tokens = x.argmax(dim=1)
+    if not all(greedy):
+        S = len(slots)
+        f32 = dict(dtype=torch.float32, device=dev)
+        temp = torch.tensor([s.params.temperature or 1.0 for s in slots], **f32)
+        probs = filter_logits(x, temp, torch.tensor([s.params.top_k for s in slots], dtype=torch.long, device=dev),
+                              torch.tensor([s.params.top_p for s in slots], **f32),
+                              torch.tensor([s.params.min_p for s in slots], **f32))
+        q = torch.empty_like(probs).exponential_()
+        for i, s in enumerate(slots):
+            if s.generator is not None:
+                q[i].exponential_(generator=s.generator)
+        drawn = (probs / q).argmax(dim=1)
+        tokens = torch.where(torch.tensor(greedy, device=dev).reshape(S), tokens, drawn)
+    want = [s.params.logprobs for s in slots]
+    if all(w is None for w in want):
+        return [Sampled(int(t)) for t in tokens.tolist()]
+    logp = torch.log_softmax(raw, dim=1)
+    chosen = logp.gather(1, tokens[:, None])[:, 0]
+    n = max(w or 0 for w in want)
+    top_v, top_i = logp.topk(max(n, 1), dim=1)
+    tokens_h, chosen_h, top_v, top_i = tokens.tolist(), chosen.tolist(), top_v.tolist(), top_i.tolist()
+    out = []
+    for i, w in enumerate(want):
+        if w is None:
+            out.append(Sampled(tokens_h[i]))
+            continue
+        top = {top_i[i][j]: top_v[i][j] for j in range(w)}
+        top[tokens_h[i]] = chosen_h[i]
+        out.append(Sampled(tokens_h[i], chosen_h[i], top))
+    return out

@@ -1,0 +1,75 @@
+"""Requests and their sequences: the engine's bookkeeping (no torch).
+
+A :class:`Sequence` is one completion's token list (prompt + output so far)
+and how many of those tokens the cache holds (``num_computed``). A step
+feeds ``tokens[num_computed : num_computed + n]``; when that reaches the
+end of the list, the step's last row yields the logits of the next token.
+The same rule covers a prompt chunk, a whole prompt, a decode token, and a
+recompute after preemption (the sequence is freed, ``num_computed`` drops
+to what the prefix cache still holds, and the tokens are fed again).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from .outputs import CompletionOutput, RequestMetrics
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One completion of a request; ``seq_id`` = ``(request_id, index)`` is its id in the KV cache."""
+
+    def __init__(self, request: "Request", index: int, tokens: list[int]) -> None:
+        self.request = request
+        self.index = index
+        self.seq_id = (request.request_id, index)
+        self.tokens = tokens
+        self.num_computed = 0
+        self.status = Status.WAITING
+        self.completion = CompletionOutput(index=index)
+        self.generator: Any = None  # a torch.Generator when the request has a seed (set by the engine)
+        self.text_len_sent = 0  # streaming: characters already handed out
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+    @property
+    def reserve(self) -> int:
+        """Batch slots this sequence stands for: a prompt not yet forked into its ``n`` completions holds ``n``."""
+        return self.request.params.n if self.index == 0 and not self.request.forked else 1
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.seq_id!r}, {len(self.tokens)} tokens, {self.num_computed} computed, {self.status.value})"
+
+
+class Request:
+    """A prompt with its sampling parameters and ``n`` sequences (one until the prompt is computed)."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                 arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.forked = params.n == 1
+        self.seqs = [Sequence(self, 0, list(prompt_ids))]
+        self.num_cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return (self.forked and all(s.status is Status.FINISHED for s in self.seqs)) or \
+            (not self.forked and self.seqs[0].status is Status.FINISHED)

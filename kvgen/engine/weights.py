@@ -1,0 +1,88 @@
+"""Build a :class:`CausalLM` on a device and fill it: from safetensors files, or random (benchmarks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .errors import EngineError
+from .model import CausalLM
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def build_model(cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """A CausalLM with uninitialized parameters allocated once on ``device`` in ``dtype``."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # allocate in the final dtype: no float32 copy of a large model
+    try:
+        with torch.device(device):
+            model = CausalLM(cfg, max_positions)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def random_weights(model: CausalLM, seed: int = 0) -> CausalLM:
+    """Fill every weight with N(0, 0.02) (norms 1, biases 0): a model of the right shape, no download."""
+    gen = torch.Generator(device=model.model.norm.weight.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.setup_rotary()
+    return model
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"{folder} holds no *.safetensors weights; pass a Hugging Face model folder with them")
+    return files
+
+
+def load_weights(model: CausalLM, folder: str | Path) -> CausalLM:
+    """Copy every tensor of the folder's safetensors into the matching parameter (cast to its dtype).
+
+    Raises EngineError for a tensor of the wrong shape or a parameter no
+    file provides (tied embeddings share ``embed_tokens``).
+    """
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for path in safetensors_files(Path(folder)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and model.lm_head is None:
+                    continue  # tied: the embedding serves as the head
+                p = params.get(name)
+                if p is None:
+                    raise EngineError(f"{path.name}: unexpected tensor {name}; is this a "
+                                      f"{model.cfg.model_type} checkpoint matching config.json?")
+                t = f.get_tensor(name)
+                if tuple(t.shape) != tuple(p.shape):
+                    raise EngineError(f"{path.name}: {name} has shape {list(t.shape)}, the config implies "
+                                      f"{list(p.shape)}; the config and weights do not match")
+                with torch.no_grad():
+                    p.copy_(t.to(p.dtype))
+                seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise EngineError(f"the weights lack {len(missing)} tensor(s), e.g. {missing[:3]}; "
+                          f"the folder does not hold a complete checkpoint")
+    model.setup_rotary()
+    return model
