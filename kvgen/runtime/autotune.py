@@ -197,17 +197,37 @@ def ranked_candidates(op: str, module: ModuleType, sizes: tuple[int, ...], sms: 
                       limit: int = MAX_CANDIDATES) -> list[dict[str, Any]]:
     """At most ``limit`` configs to time for one bucket (``sizes`` already bucketed), the model's choice first.
 
-    Decode: every candidate ranked by its distance from :func:`decode_model`
-    (split counts are a runtime argument, so most neighbours need no new
-    compile). Other ops: the module's own order (its default first).
+    Decode: the model's config, its split count halved and doubled (a
+    runtime argument: no new compile), then the two compiled variants (tile,
+    warps, stages among the module's candidates) nearest the model at the
+    model's split count, then splits x4 and /4: at most three compiled
+    variants plus the one-split one. Other ops: the module's own order (its
+    default first).
     """
     cands = [dict(c) for c in module.candidates(*sizes)]
     first = model_config(op, module, sizes, sms, cands)
     out = [first] if first is not None else []
-    if op == "decode" and _is_decode_module(module):
+    if op == "decode" and _is_decode_module(module) and first is not None:
         ideal = _decode_ideal(module, sizes, sms)
-        cands.sort(key=lambda c: _distance(c, ideal, int(module.PAGE)))
-    for c in cands:
+        page, splits = int(module.PAGE), int(first["num_splits"])
+
+        def at(cfg, n):
+            ppt = int(cfg.get("pages_per_tile", 1))
+            tiles = max(1, -(-max(1, -(-sizes[-1] // page)) // ppt))
+            return dict(cfg, num_splits=max(1, min(int(n), tiles, int(module.MAX_SPLITS))))
+
+        compiled = [k for k in first if k != "num_splits"]
+        variants, seen = [], {tuple(first[k] for k in compiled)}
+        for c in sorted(cands, key=lambda c: _distance(dict(c, num_splits=splits), ideal, page)):
+            v = tuple(c.get(k) for k in compiled)
+            if v not in seen:
+                seen.add(v)
+                variants.append(c)
+        order = [at(first, splits * 2), at(first, splits // 2), *[at(v, splits) for v in variants[:2]],
+                 at(first, splits * 4), at(first, splits // 4)]
+    else:
+        order = cands
+    for c in order:
         if len(out) >= limit:
             break
         if c not in out:
@@ -570,6 +590,7 @@ def tune(cache: Any, shapes: Iterable[tuple[int, int]], *, ops: Iterable[str] = 
             t0 = time.perf_counter()
             entry = tuner.tune(op, cache.kernels[op], shape, lambda cfg, op=op, shape=shape: cache._bench(op, shape, cfg),
                                cache._hashes.get(op), retune=retune) or {}
+            vars(cache).pop("_bench_inputs", None)  # the bucket's synthetic inputs (see KVCache._bench)
             records.append({"op": op, "key": tuner.key(op, shape), "config": entry.get("config"),
                             "ms": entry.get("ms"), "candidates": entry.get("candidates"),
                             "seconds": round(time.perf_counter() - t0, 3)})
