@@ -21,11 +21,27 @@ frees it.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from .sequence import Sequence, Status
+
+
+def out_of_pages_types(cache: Any) -> tuple[type, ...]:
+    """The OutOfPages classes ``cache`` may raise: kvgen.runtime's, and its generated package's own copy.
+
+    A generated package ships a verbatim copy of the runtime, so its errors
+    are distinct classes from ``kvgen.runtime.errors``'.
+    """
+    from kvgen.runtime.errors import OutOfPages  # torch-free module
+
+    found = [OutOfPages]
+    errors = sys.modules.get(type(cache).__module__.rpartition(".")[0] + ".errors")
+    if errors is not None and isinstance(getattr(errors, "OutOfPages", None), type):
+        found.append(errors.OutOfPages)
+    return tuple(found)
 
 
 @dataclass
@@ -48,9 +64,7 @@ class Scheduler:
     """FIFO continuous batching with chunked prefill, prefix reuse and preemption by recompute."""
 
     def __init__(self, cache: Any, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        from kvgen.runtime.errors import OutOfPages  # the runtime's error, torch-free module
-
-        self._out_of_pages = OutOfPages
+        self._out_of_pages = out_of_pages_types(cache)
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -89,7 +103,7 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> None:
         cached = self.cache.add(seq.seq_id, seq.tokens[:-1])
         seq.num_computed = cached
-        if seq.index == 0 and not seq.request.forked and cached > seq.request.num_cached_tokens:
+        if seq.index == 0 and cached > seq.request.num_cached_tokens:
             seq.request.num_cached_tokens = cached
         seq.status = Status.RUNNING
         self.running.append(seq)
