@@ -2,16 +2,42 @@
 
 A KvgenError (a user mistake) prints one line -- what was wrong and what to
 do -- and exits 2; so do argument errors. Every command takes ``--json``.
+
+Adding a command is one line in :data:`COMMANDS`: its name, its help, and
+the import path of an object (usually a module) with ``add_args(parser)``
+and ``run(args) -> int``. Only the command being run is imported, so
+``kvgen --help`` and the light commands never pay for torch, triton or
+transformers; a command that needs them imports them itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from kvgen.errors import KvgenError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("plan the KV cache of a model on a GPU", "kvgen.cli:PLAN"),
+    "compile": ("plan, then generate the kernels and runtime package", "kvgen.cli:COMPILE"),
+    "models": ("list model presets", "kvgen.cli:MODELS"),
+    "targets": ("list GPU targets", "kvgen.cli:TARGETS"),
+    "schemes": ("list KV compression schemes", "kvgen.cli:SCHEMES"),
+    "plugins": ("list plugins and what each registered", "kvgen.cli:PLUGINS"),
+    "eval": ("perplexity, KL and top-1 of KV schemes on a real model and text, vs a float32 cache",
+             "kvgen.eval.command"),
+}
+"""Command name -> (help, ``"module"`` or ``"module:attribute"`` of an object with ``add_args`` and ``run``)."""
+
+
+class Command(NamedTuple):
+    """A command defined in this module: ``add_args(parser)`` and ``run(args) -> int``."""
+
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
 
 
 class UsageError(KvgenError):
@@ -27,16 +53,39 @@ def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
+def _is_terminal() -> bool:
+    return sys.stdout.isatty()
+
+
 def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A table on stdout: on a terminal a rich table that fits its width (long cells wrap inside their
+    column); piped, or on a terminal too narrow for its short columns, plain aligned text with one row per
+    line and nothing cut, for grep and awk."""
+    import shutil
+
+    cells = [[str(x) for x in r] for r in rows]
+    # A short column (names, numbers) never shrinks below its longest cell; only long ones wrap.
+    longest = [max([len(w) for w in c.split()] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    floor = [n if n <= 16 else 12 for n in longest]
+    width = shutil.get_terminal_size().columns
+    if not _is_terminal() or sum(floor) + 2 * len(columns) > width:
+        widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+        print(title)
+        for line in [list(columns)] + cells:
+            print("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip())
+        return
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=title)
-    for c in columns:
-        table.add_column(c)
-    for r in rows:
-        table.add_row(*[str(x) for x in r])
-    Console(width=200).print(table)
+    # No vertical rules (one space either side of a column), so 80 columns hold every kvgen table.
+    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False, collapse_padding=True,
+                  show_edge=False)
+    for c, n in zip(columns, longest):
+        table.add_column(c, min_width=n if n <= 16 else None, overflow="fold")
+    for r in cells:
+        table.add_row(*r)
+    Console(width=width).print(table)
 
 
 def _positive_int(text: str) -> int:
@@ -82,9 +131,12 @@ def build_plan(args: argparse.Namespace):
     workload = Workload(context=args.context, concurrency=args.concurrency, tp=args.tp,
                         gpu_memory_utilization=args.gpu_memory_utilization, weight_bits=weight_bits,
                         page_size=page, compute_dtype=dtype, host_memory_bytes=int(args.host_memory * 2**30))
+    registry = default_registry()
+    if args.kv != "auto":
+        registry.scheme(args.kv)  # a scheme whose plugin failed is named as such, not as an unknown name
     model = resolve_model(args.model)
     target = detect_target() if args.target == "auto" else resolve_target(args.target)
-    return make_plan(model, target, workload, default_registry().schemes, kv=args.kv)
+    return make_plan(model, target, workload, registry.schemes, kv=args.kv)
 
 
 def cmd_plan(args) -> int:
@@ -106,6 +158,11 @@ def cmd_plan(args) -> int:
     for r in plan.reasons:
         print(f"    - {r}")
     return 0
+
+
+def _add_compile_args(p: argparse.ArgumentParser) -> None:
+    _add_plan_args(p)
+    p.add_argument("--out", default=None, help="output folder (default generated/<plan-name>)")
 
 
 def cmd_compile(args) -> int:
@@ -168,64 +225,101 @@ def cmd_schemes(args) -> int:
 def cmd_plugins(args) -> int:
     from kvgen.registry import default_registry
 
-    plugins = default_registry().plugins
+    registry = default_registry().collect_all()  # every hook, so every failure and conflict shows
+    plugins = registry.plugins
     if args.json:
         _print_json([p.to_json() for p in plugins])
         return 0
     _table("plugins", ["name", "module", "distribution", "registered", "error"],
            [(p.name, p.module, p.distribution or "-",
-             "; ".join(f"{k}: {', '.join(v)}" for k, v in p.registered.items()) or "-", p.error or "") for p in plugins])
+             "; ".join(f"{k}: {', '.join(v)}" for k, v in p.registered.items()) or "-", p.error or "") for p in plugins]
+           + [(name, "-", "-", "-", "left out by KVGEN_PLUGINS") for name in registry.excluded])
     return 0
 
 
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None] | None, Callable]] = {
-    "plan": ("plan the KV cache of a model on a GPU", _add_plan_args, cmd_plan),
-    "compile": ("plan, then generate the kernels and runtime package", None, cmd_compile),
-    "models": ("list model presets", None, cmd_models),
-    "targets": ("list GPU targets", None, cmd_targets),
-    "schemes": ("list KV compression schemes", None, cmd_schemes),
-    "plugins": ("list plugins and what each registered", None, cmd_plugins),
-    "eval": ("perplexity, KL and top-1 of KV schemes on a real model and text, vs a float32 cache",
-             __import__("kvgen.eval.command", fromlist=["add_args"]).add_args,
-             __import__("kvgen.eval.command", fromlist=["run"]).run),
-}
+PLAN = Command(_add_plan_args, cmd_plan)
+COMPILE = Command(_add_compile_args, cmd_compile)
+MODELS = Command(lambda p: None, cmd_models)
+TARGETS = Command(lambda p: None, cmd_targets)
+SCHEMES = Command(lambda p: None, cmd_schemes)
+PLUGINS = Command(lambda p: None, cmd_plugins)
 
 
-def _add_compile_args(p: argparse.ArgumentParser) -> None:
-    _add_plan_args(p)
-    p.add_argument("--out", default=None, help="output folder (default generated/<plan-name>)")
+def _resolve(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    obj = importlib.import_module(module)
+    return getattr(obj, attr) if attr else obj
 
 
-def make_parser() -> argparse.ArgumentParser:
+def _command_name(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names (kvgen's own options take no values, so it is the first non-option)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _plugin_commands() -> dict[str, tuple[str, Callable]]:
+    """Commands plugins registered: name -> (help, build). One named like a built-in is reported on its plugin
+    (a warning at exit) and ignored: a plugin never replaces a kvgen command."""
+    from kvgen.registry import default_registry
+
+    registry = default_registry()
+    out = {}
+    for name, (_, help_text, build) in registry.commands.items():
+        if name in COMMANDS:
+            for record in registry.plugins:
+                if name in record.registered.get("commands", ()):
+                    record.fail("conflict", f"plugin {record.label} registers command {name!r}, which is kvgen's "
+                                            f"own; ignored")
+            continue
+        out[name] = (help_text, build)
+    return out
+
+
+def make_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser. Every command is listed; only ``command``'s arguments are built (all when None
+    is given and no command is selected: e.g. for documentation, pass each name in turn)."""
     from kvgen import __version__
 
     parser = _Parser(prog="kvgen", description="A compiler for KV-cache attention.")
     parser.add_argument("--version", action="version", version=f"kvgen {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, required=True)
-    for name, (help_text, add_args, _) in COMMANDS.items():
+    entries: dict[str, tuple[str, Callable[[argparse.ArgumentParser], Callable]]] = {}
+    for name, (help_text, path) in COMMANDS.items():
+        def build(p, _path=path):
+            target = _resolve(_path)
+            target.add_args(p)
+            return target.run
+        entries[name] = (help_text, build)
+    if command not in COMMANDS:  # --help, a plugin's command, or a typo: plugins' commands are listed too
+        entries.update(_plugin_commands())
+    for name, (help_text, build) in entries.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        (add_args or (_add_compile_args if name == "compile" else (lambda _p: None)))(p)
-        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    for name, (_, help_text, builder) in _plugin_commands().items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_run=builder(p))
-        if not any(a.dest == "json" for a in p._actions):
-            p.add_argument("--json", action="store_true", help="print JSON")
+        if name == command:
+            p.set_defaults(_run=build(p))
+            if not any(a.dest == "json" for a in p._actions):
+                p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
-def _plugin_commands() -> dict:
+def _warn_failed_plugins() -> None:
+    """One stderr line per plugin that failed in what this run loaded (the command itself went on without it)."""
     from kvgen.registry import default_registry
 
-    return {name: entry for name, entry in default_registry().commands.items() if name not in COMMANDS}
+    if "kvgen.registry" not in sys.modules or not default_registry.cache_info().currsize:
+        return
+    for record in default_registry().failed():
+        print(f"kvgen: warning: plugin {record.label} failed and was skipped: {record.error} "
+              f"(kvgen plugins shows every plugin's state)", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        parser = make_parser()
-        args = parser.parse_args(argv)
-        run = getattr(args, "_run", None) or COMMANDS[args.command][2]
-        return int(run(args) or 0)
+        command = _command_name(argv)
+        args = make_parser(command).parse_args(argv)
+        code = int(args._run(args) or 0)
+        if args.command != "plugins":  # that one shows the failures as its output
+            _warn_failed_plugins()
+        return code
     except KvgenError as exc:
         print(f"kvgen: error: {exc}", file=sys.stderr)
         return 2

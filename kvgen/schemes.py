@@ -95,17 +95,49 @@ zero and never be stored.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
-
-import sympy
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from kvgen.errors import SchemeCapabilityError, SchemeOptionError, UnknownSchemeError
 
+if TYPE_CHECKING:  # torch and sympy load on first use: listing, planning and the CLI's --help never need torch
+    import sympy
+    import torch
+
 COMPUTE = "compute"
 """A PageTensor dtype meaning: the compute dtype of the plan (fp16/bf16/fp32)."""
+
+DTYPE_BYTES = {
+    "bool": 1, "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int16": 2, "float16": 2, "bfloat16": 2, "int32": 4, "float32": 4, "int64": 8, "float64": 8,
+}
+"""Bytes per element of the torch dtype names page tensors use, without importing torch."""
+
+
+def dtype_bytes(dtype_name: str) -> int:
+    """Bytes per element of the torch dtype ``dtype_name`` (asks torch only for names not in :data:`DTYPE_BYTES`)."""
+    if dtype_name in DTYPE_BYTES:
+        return DTYPE_BYTES[dtype_name]
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+
+
+@functools.lru_cache(maxsize=1)
+def symbols() -> tuple["sympy.Symbol", "sympy.Symbol"]:
+    """The (D, P) sympy symbols of bytes-per-token expressions (head dim, page size); see :data:`D`, :data:`P`."""
+    import sympy
+
+    return (sympy.Symbol("D", positive=True, integer=True), sympy.Symbol("P", positive=True, integer=True))
+
+
+def __getattr__(name: str) -> Any:
+    # ``from kvgen.schemes import D, P`` keeps working; sympy loads only then.
+    if name in ("D", "P"):
+        return symbols()["DP".index(name)]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -124,15 +156,14 @@ class PageTensor:
         return math.prod(self.shape)
 
     def torch_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        import torch
+
         return compute_dtype if self.dtype == COMPUTE else getattr(torch, self.dtype)
 
     def nbytes_per_page_head(self, compute_dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=self.torch_dtype(compute_dtype)).element_size()
-        return self.elements() * itemsize
-
-
-def _itemsize(dtype_name: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+        if self.dtype == COMPUTE:
+            return self.elements() * compute_dtype.itemsize
+        return self.elements() * dtype_bytes(self.dtype)
 
 
 class Scheme:
@@ -213,7 +244,8 @@ class Scheme:
 
     def bytes_per_token_per_kv_head(self, head_dim: int, page_size: int) -> float:
         """K and V bytes one token costs per KV head in the compressed pool."""
-        return float(self.bytes_per_token_expr().subs({D: head_dim, P: page_size}))
+        d, p = symbols()
+        return float(self.bytes_per_token_expr().subs({d: head_dim, p: page_size}))
 
     def bytes_per_token_expr(self) -> sympy.Expr:
         """Bytes per token per KV head as a sympy expression in :data:`D` and :data:`P`.
@@ -222,8 +254,12 @@ class Scheme:
         sizes are linear in D and in D*P (true of every built-in scheme);
         override it for anything else.
         """
+        import sympy
+
+        D, P = symbols()
+
         def total(d: int, p: int) -> int:
-            return sum(t.elements() * _itemsize(self._concrete_dtype(t)) for t in self.page_tensors(d, p))
+            return sum(t.elements() * dtype_bytes(self._concrete_dtype(t)) for t in self.page_tensors(d, p))
 
         # Fit a*D + b*D/P (+ c + e/P) from four samples on a 2x2 grid.
         d0, d1, p0, p1 = 64, 128, 16, 32
@@ -233,7 +269,8 @@ class Scheme:
         beta = sympy.Rational(a21 - a11, d1 - d0) - alpha * p0
         gamma = sympy.Rational(a12 - a11, p1 - p0) - alpha * d0
         delta = a11 - alpha * d0 * p0 - beta * d0 - gamma * p0
-        return sympy.simplify((alpha * D * P + beta * D + gamma * P + delta) / P)
+        # expand, not simplify: the same sum of terms, without simplify's 0.5 s (it imports sympy.physics).
+        return sympy.expand((alpha * D * P + beta * D + gamma * P + delta) / P)
 
     def _concrete_dtype(self, t: PageTensor) -> str:
         if t.dtype == COMPUTE:
@@ -359,12 +396,20 @@ def resolve_scheme(text: str, schemes: Mapping[str, Scheme]) -> Scheme:
     """
     name, values = parse_scheme_spec(text)
     if name not in schemes:
-        raise UnknownSchemeError(
-            f"unknown --kv scheme {name!r}; known: {', '.join(sorted(schemes))} (kvgen schemes lists them)")
+        raise unknown_scheme_error(name, schemes)
     return schemes[name].with_options(**values)
 
 
-D = sympy.Symbol("D", positive=True, integer=True)
-"""Head dim symbol used in bytes-per-token expressions."""
-P = sympy.Symbol("P", positive=True, integer=True)
-"""Page size symbol used in bytes-per-token expressions."""
+def unknown_scheme_error(name: str, schemes: Mapping[str, Scheme]) -> UnknownSchemeError:
+    """The error for a scheme name ``schemes`` lacks: one line, saying which plugin failed (or was left out)
+    when the registry knows (``schemes.missing_reason``, see :class:`kvgen.registry.SchemeTable`)."""
+    known = f"known: {', '.join(sorted(schemes))} (kvgen schemes lists them)"
+    reason = getattr(schemes, "missing_reason", None)
+    why = reason(name) if reason is not None else None
+    return UnknownSchemeError(f"{why}; {known}" if why else f"unknown --kv scheme {name!r}; {known}")
+
+
+D: "sympy.Symbol"
+"""Head dim symbol used in bytes-per-token expressions (created on first use, see :func:`symbols`)."""
+P: "sympy.Symbol"
+"""Page size symbol used in bytes-per-token expressions (created on first use, see :func:`symbols`)."""

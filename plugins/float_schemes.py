@@ -10,11 +10,9 @@ Tokens are written straight into their page (no residual window).
 
 from __future__ import annotations
 
-import importlib.resources
+from kvgen.plugin_api import PageTensor, Scheme, hookimpl, lazy_import
 
-import torch
-
-from kvgen.plugin_api import PageTensor, Scheme, hookimpl
+torch = lazy_import("torch")  # only the reference quantize/dequantize need it; listing and planning never load it
 
 
 class FloatScheme(Scheme):
@@ -69,8 +67,4 @@ def kvgen_register_schemes(register):
     for cls in (FP32, FP16, BF16):
         register(cls())
 
-
-@hookimpl
-def kvgen_register_templates(register):
-    # Macro templates of built-in schemes ship inside this package.
-    register(importlib.resources.files("kvgen_plugins") / "macros")
+# No kvgen_register_templates: float.j2 is kvgen's own (templates/triton/schemes), which the residual pool uses too.

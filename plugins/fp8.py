@@ -23,11 +23,13 @@ window (``residual_tokens = None``). Storage: 2*D + 8 bytes per token and KV hea
 
 from __future__ import annotations
 
-import torch
+import importlib.resources
 
-from kvgen.plugin_api import PageTensor, Scheme, hookimpl
+from kvgen.plugin_api import PageTensor, Scheme, hookimpl, lazy_import
 
 from .int8 import quantize_tokens
+
+torch = lazy_import("torch")  # only the reference quantize/dequantize need it; listing and planning never load it
 
 E4M3_MAX = 448.0
 
@@ -70,3 +72,9 @@ class Fp8Scheme(Scheme):
 @hookimpl
 def kvgen_register_schemes(register):
     register(Fp8Scheme())
+
+
+@hookimpl
+def kvgen_register_templates(register):
+    # fp8.j2 ships in this package's macros/ (each built-in registers what it uses: KVGEN_PLUGINS=fp8 works alone).
+    register(importlib.resources.files("kvgen_plugins") / "macros")

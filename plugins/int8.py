@@ -23,9 +23,11 @@ Storage: 2*D + 8 bytes per token and KV head (K and V).
 
 from __future__ import annotations
 
-import torch
+import importlib.resources
 
-from kvgen.plugin_api import PageTensor, Scheme, hookimpl
+from kvgen.plugin_api import PageTensor, Scheme, hookimpl, lazy_import
+
+torch = lazy_import("torch")  # only the reference quantize/dequantize need it; listing and planning never load it
 
 
 def quantize_tokens(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,12 +35,22 @@ def quantize_tokens(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.T
 
     ``scale = amax / qmax``; an all-zero token divides by 1 (and keeps scale 0).
     Float32 throughout, in the same operation order as the kernels' macros.
+
+    Non-finite input: a token holding a NaN or an Inf gets scale NaN (``x * 0``
+    summed over the token is 0, or NaN), so it dequantizes to NaN everywhere
+    and attention over it is NaN, as over a float page; its codes are those
+    of the token with the non-finite entries set to 0 (defined, the same in
+    the kernels). The macros compute the marker the same way; ``amax``
+    alone would not do, as GPU max reductions skip NaN.
     """
     x = x.float()
+    zeros = x * 0
+    bad = zeros.sum(-1)
+    x = torch.where(zeros == 0, x, zeros.new_zeros(()))
     amax = x.abs().amax(-1)
     scale = amax / qmax
     div = torch.where(amax > 0, scale, torch.ones_like(scale))
-    return x / div[..., None], scale
+    return x / div[..., None], scale + bad
 
 
 class Int8Scheme(Scheme):
@@ -79,3 +91,9 @@ class Int8Scheme(Scheme):
 @hookimpl
 def kvgen_register_schemes(register):
     register(Int8Scheme())
+
+
+@hookimpl
+def kvgen_register_templates(register):
+    # int8.j2 ships in this package's macros/ (each built-in registers what it uses: KVGEN_PLUGINS=int8 works alone).
+    register(importlib.resources.files("kvgen_plugins") / "macros")

@@ -64,14 +64,19 @@ the compressed pool and not counted here.
 from __future__ import annotations
 
 import copy
+import functools
+import importlib.resources
 import math
+from typing import TYPE_CHECKING
 
-import sympy
-import torch
+from kvgen.plugin_api import PageTensor, Scheme, SchemeOptionError, hookimpl, lazy_import
+from kvgen.schemes import symbols
 
-from kvgen.plugin_api import PageTensor, Scheme, SchemeOptionError, hookimpl
-from kvgen.schemes import D as D_SYM
-from kvgen.schemes import P as P_SYM
+if TYPE_CHECKING:
+    import sympy
+
+# Only the reference quantize/dequantize need torch, and only bytes-per-token needs sympy: listing never loads them.
+torch = lazy_import("torch")
 
 VALUE_GROUP = 32
 """KIVI's value group; shrunk to gcd(32, D) for head dims it does not divide."""
@@ -82,28 +87,69 @@ def value_group(head_dim: int) -> int:
     return math.gcd(VALUE_GROUP, head_dim)
 
 
-class kivi_group(sympy.Function):
-    """``gcd(32, D)`` as a sympy function, so bytes-per-token stays exact for any D."""
+@functools.lru_cache(maxsize=1)
+def _kivi_group_function() -> type:
+    import sympy
 
-    @classmethod
-    def eval(cls, d):
-        if d.is_Integer:
-            return sympy.Integer(value_group(int(d)))
-        return None
+    class kivi_group(sympy.Function):
+        """``gcd(32, D)`` as a sympy function, so bytes-per-token stays exact for any D."""
+
+        @classmethod
+        def eval(cls, d):
+            if d.is_Integer:
+                return sympy.Integer(value_group(int(d)))
+            return None
+
+    return kivi_group
+
+
+def kivi_group(d: "sympy.Expr") -> "sympy.Expr":
+    """``gcd(32, d)`` as a sympy expression (a sympy function, defined on first use so sympy loads only then)."""
+    return _kivi_group_function()(d)
+
+
+FP16_LIMIT = 65440.0
+"""Largest magnitude KIVI stores (float16's 65504 less two of its top ulps): K/V beyond it saturate.
+
+Scale and zero are float16, and the float16 decode path dequantizes as
+``(code - C) * scale + (zero + C * scale)`` in float16 (``C = (levels + 1) // 2``,
+see ``kivi.j2``). With every input within this limit, ``scale <= 65504 / C``
+and ``zero + levels * scale <= FP16_LIMIT`` (both enforced on the scale), every
+dequantized value and every intermediate of that path stays finite, its
+roundings included."""
+
+
+def _half_toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """Float32 ``x >= 0`` as the float16 nearest it from below (the kernels' store_page does the same)."""
+    h = x.to(torch.float16)
+    below = (h.view(torch.int16) - 1).view(torch.float16)
+    return torch.where(h.float() > x, below, h)
 
 
 def _quantize(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric round-to-nearest codes of ``x`` over ``dim``: (codes uint8, scale fp16, zero fp16), keepdim."""
+    """Asymmetric round-to-nearest codes of float32 ``x`` over ``dim``: (codes uint8, scale fp16, zero fp16), keepdim.
+
+    Inputs are clamped to +-``FP16_LIMIT``, and the scale is capped so that
+    the group's largest dequantized value stays within it (only groups
+    reaching the limit are affected). A group holding a NaN or an Inf stores
+    scale NaN (``x * 0`` summed over the group), so it dequantizes to NaN;
+    its codes and zero are those of the group with the non-finite entries
+    set to 0. The macros in ``kivi.j2`` run the same arithmetic.
+    """
+    zeros = x * 0
+    bad = zeros.sum(dim, keepdim=True)
+    x = torch.where(zeros == 0, x, zeros.new_zeros(())).clamp(-FP16_LIMIT, FP16_LIMIT)
     mn = x.amin(dim, keepdim=True)
     mx = x.amax(dim, keepdim=True)
-    scale = ((mx - mn) / levels).to(torch.float16)
     zero = mn.to(torch.float16)
+    cap = ((FP16_LIMIT - zero.float()) / levels).clamp(max=65504.0 / ((levels + 1) // 2))
+    scale = torch.minimum(((mx - mn) / levels).to(torch.float16), _half_toward_zero(cap))
     s, z = scale.float(), zero.float()
     ok = s > 0
     # floor(y + 0.5) rather than torch.round: the kernels round half up too, and codes must match.
     code = torch.floor((x - z) / torch.where(ok, s, torch.ones_like(s)) + 0.5).clamp_(0, levels)
     code = torch.where(ok, code, torch.zeros_like(code))
-    return code.to(torch.uint8), scale, zero
+    return code.to(torch.uint8), scale + bad.to(torch.float16), zero
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -135,6 +181,9 @@ class KiviScheme(Scheme):
                      "multiple of the page size (int4 default 0, int2 default 128)"),
     }
 
+    max_residual = 2**20
+    """The most tokens option ``residual`` accepts (KIVI uses 32 to 128); far below any pool-size overflow."""
+
     def configure(self, residual: str | None = None) -> "KiviScheme":
         new = copy.copy(self)
         if residual is not None:
@@ -145,6 +194,19 @@ class KiviScheme(Scheme):
             if tokens < 0:
                 raise SchemeOptionError(f"scheme {self.name}: option residual must be a whole number of tokens >= 0, "
                                         f"got {residual!r}")
+            # 10**21 once planned and then overflowed only at load().
+            if tokens > self.max_residual:
+                raise SchemeOptionError(f"scheme {self.name}: option residual={residual} is more than {self.max_residual} "
+                                        f"tokens; use 0 or a multiple of {min(self.page_sizes)} up to {self.max_residual}")
+            # Residual pages are whole pages: a residual no supported page size divides can never plan.
+            fits = [p for p in self.page_sizes if tokens % p == 0]
+            if not fits:
+                step = min(self.page_sizes)
+                below, above = tokens // step * step, (tokens // step + 1) * step
+                raise SchemeOptionError(
+                    f"scheme {self.name}: option residual={residual} is not a whole number of pages for any page size "
+                    f"it supports ({', '.join(map(str, self.page_sizes))}); use 0 or a multiple of {step} "
+                    f"(e.g. {below} or {above})")
             new.residual_tokens = tokens
         return new
 
@@ -167,7 +229,7 @@ class KiviScheme(Scheme):
     def bytes_per_token_expr(self) -> sympy.Expr:
         # Exact for every D: the value group is gcd(32, D), not linear in D, so the
         # base class's four-sample fit would be wrong for D = 80 (or 8).
-        d, p = D_SYM, P_SYM
+        d, p = symbols()
         codes = 2 * p * d * self.bits / 8          # K and V codes
         k_meta = 2 * 2 * d                         # k_scale + k_zero, float16, per page
         v_meta = 2 * 2 * p * d / kivi_group(d)     # v_scale + v_zero, float16, per token group
@@ -242,3 +304,9 @@ class Int2(KiviScheme):
 def kvgen_register_schemes(register):
     register(Int4())
     register(Int2())
+
+
+@hookimpl
+def kvgen_register_templates(register):
+    # kivi.j2 ships in this package's macros/ (each built-in registers what it uses: KVGEN_PLUGINS=kivi works alone).
+    register(importlib.resources.files("kvgen_plugins") / "macros")
