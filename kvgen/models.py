@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,19 @@ class ModelSpec:
             raise ModelConfigError(
                 f"model {self.name}: {self.num_experts_per_tok} experts per token exceeds "
                 f"{self.num_experts} experts; fix num_experts_per_tok in the config")
+        # A NaN/Inf theta would be written into plan.json and rotate every position to garbage.
+        if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ModelConfigError(
+                f"model {self.name}: rope_theta is {self.rope_theta!r}, must be a finite number > 0; fix the config")
+        # A window of 0 or fewer tokens would mask every key (decode returns zeros); None means full attention.
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelConfigError(
+                f"model {self.name}: sliding_window is {self.sliding_window}, must be a positive number of tokens "
+                "or null (no window); fix the config")
+        if not isinstance(self.architecture, str) or not self.architecture:
+            raise ModelConfigError(
+                f"model {self.name}: architecture is {self.architecture!r}, must be a class name such as "
+                "LlamaForCausalLM; fix the config's architectures")
 
     @property
     def gqa_group(self) -> int:
@@ -197,13 +211,22 @@ def _silent_autoconfig(source: str):
         transformers.logging.set_verbosity(level)
 
 
+MAX_CONFIG_BYTES = 16 * 2**20
+"""A config.json is a few KB; anything this large is not one (and is not read into memory)."""
+
+
 def _from_config_file(path: Path, name: str) -> ModelSpec:
     try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ModelConfigError(f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB, too large for a config.json; "
+                                   "pass a Hugging Face config.json")
         raw = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise ModelConfigError(f"cannot read {path}: {e.strerror or e}; check the path and its permissions") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelConfigError(f"{path} is not valid JSON ({e}); pass a Hugging Face config.json") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise ModelConfigError(f"{path} nests JSON too deeply to be a config; pass a Hugging Face config.json") from None
     if not isinstance(raw, dict):
         raise ModelConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object; pass a Hugging Face config.json")
     return spec_from_config(raw, name=name, source=str(path), hf=_silent_autoconfig(str(path)))
@@ -267,22 +290,40 @@ def spec_from_config(raw: dict[str, Any], *, name: str, source: str, hf: Any = N
         if all(raw.get(k) is None for k in keys):
             raise ModelConfigError(f"{source} lacks {keys[0]}; kvgen needs it to size the KV cache, add it to the config")
         f[field] = as_int(keys[0], get(keys))
+        if f[field] < 1:  # checked before head_dim divides by the head count
+            raise ModelConfigError(f"{source}: {keys[0]} is {f[field]}, must be >= 1; fix the config")
     f["num_kv_heads"] = as_int("num_key_value_heads", get(("num_key_value_heads", "num_kv_heads", "n_head_kv"), f["num_q_heads"]))
     f["head_dim"] = as_int("head_dim", get(("head_dim",), f["hidden_size"] // f["num_q_heads"]))
     f["num_experts"] = as_int("num_local_experts", get(("num_local_experts", "num_experts", "n_routed_experts"), 1))
     f["num_experts_per_tok"] = as_int("num_experts_per_tok", get(("num_experts_per_tok", "moe_topk"), 1) if f["num_experts"] > 1 else 1)
+    theta = None
     try:
-        f["rope_theta"] = float(_rope_theta(raw, hf))
-    except (TypeError, ValueError):
-        raise ModelConfigError(f"{source}: rope_theta must be a number; fix the config") from None
+        theta = _rope_theta(raw, hf)
+        if isinstance(theta, bool):
+            raise TypeError
+        f["rope_theta"] = float(theta)
+    except (TypeError, ValueError, OverflowError):
+        raise ModelConfigError(f"{source}: rope_theta must be a number, got {theta!r}; fix the config") from None
+    if not (math.isfinite(f["rope_theta"]) and f["rope_theta"] > 0):
+        raise ModelConfigError(f"{source}: rope_theta is {f['rope_theta']}, must be a finite number > 0; fix the config")
     window = get(("sliding_window",))
     if raw.get("use_sliding_window") is False:
         window = None  # Qwen2 writes a window but switches it off
     f["sliding_window"] = None if window is None else as_int("sliding_window", window)
+    if f["sliding_window"] is not None and f["sliding_window"] < 1:
+        raise ModelConfigError(f"{source}: sliding_window is {f['sliding_window']}, must be a positive number of "
+                               "tokens or null (no window); fix the config")
     f["tied_embeddings"] = bool(get(("tie_word_embeddings",), True))  # True is the transformers base default
     model_type = get(("model_type",), "")
-    archs = get(("architectures",)) or [_causal_lm_class(model_type)]
-    spec = ModelSpec(name=name, architecture=str(archs[0]), num_params=0, **f)
+    if not isinstance(model_type, str):
+        raise ModelConfigError(f"{source}: model_type must be a string, got {model_type!r}; fix the config")
+    archs = get(("architectures",))
+    # A string here would be indexed character by character ("L"): only a list of class names is valid.
+    if archs is not None and not (isinstance(archs, (list, tuple)) and all(isinstance(a, str) and a for a in archs)):
+        raise ModelConfigError(f"{source}: architectures must be a list of class names such as "
+                               f'["LlamaForCausalLM"], got {archs!r}; fix the config')
+    archs = archs or [_causal_lm_class(model_type)]
+    spec = ModelSpec(name=name, architecture=archs[0], num_params=0, **f)
     params = count_params(spec, qkv_bias=bool(raw.get("attention_bias", model_type in _QKV_BIAS_TYPES)),
                           norms_per_layer=4 if model_type in _FOUR_NORM_TYPES else 2)
     return dataclasses.replace(spec, num_params=params)

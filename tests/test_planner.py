@@ -1,5 +1,6 @@
 """Planner: the memory model's numbers, recomputed by hand, and each decision."""
 
+import dataclasses
 import json
 import math
 
@@ -96,8 +97,13 @@ def test_tp16_replicates_and_says_so(capsys):
     assert any("replicated" in r for r in p["reasons"])
 
 
+def llama_3_8b_long():
+    """llama-3-8b's shapes with Llama-3.1's 128K positions: long contexts are within the model's range."""
+    return dataclasses.replace(resolve_model("llama-3-8b"), max_positions=131072)
+
+
 def test_auto_prefers_precise_scheme_that_fits_then_compact():
-    model, target = resolve_model("llama-3-8b"), resolve_target("h100")
+    model, target = llama_3_8b_long(), resolve_target("h100")
     schemes = default_registry().schemes
     small = make_plan(model, target, Workload(context=4096, concurrency=4), schemes, kv="auto")
     assert small.scheme == "bf16"
@@ -109,7 +115,7 @@ def test_auto_prefers_precise_scheme_that_fits_then_compact():
 
 
 def test_host_tier_when_gpu_is_short_and_refusal_when_host_is_short_too():
-    model, target = resolve_model("llama-3-8b"), resolve_target("h100")
+    model, target = llama_3_8b_long(), resolve_target("h100")
     schemes = default_registry().schemes
     plan = make_plan(model, target, Workload(context=32768, concurrency=20, weight_bits=16), schemes, kv="bf16")
     assert plan.tiering == "host" and plan.host_tier_bytes > 0 and plan.host_transfer_ms_per_step > 0

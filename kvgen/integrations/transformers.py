@@ -145,8 +145,14 @@ def compile_for_model(plan) -> Any:
     """Compile ``plan`` into ``<cache_dir>/packages/<plan name>`` (no-op when unchanged) and import it."""
     from kvgen.codegen.package import compile_plan
 
-    out = env.cache_dir() / "packages" / plan.name
-    result = compile_plan(plan, out_dir=out)
+    root = env.cache_dir()
+    try:
+        (root / "packages").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # KVGEN_CACHE_DIR names a file, or a folder kvgen may not write
+        raise KvgenIntegrationError(
+            f"cannot keep compiled packages under the cache folder {root} ({exc.strerror or exc}); set KVGEN_CACHE_DIR "
+            "to a writable folder (or unset it for ~/.cache/kvgen)") from None
+    result = compile_plan(plan, out_dir=root / "packages" / plan.name)
     return import_package(result.out_dir)
 
 

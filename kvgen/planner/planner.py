@@ -64,10 +64,21 @@ def choose_page_size(scheme: Scheme, workload: Workload, head_dim: int) -> tuple
     allowed = [p for p in PAGE_CANDIDATES if p in scheme.page_sizes
                and (not scheme.residual_tokens or scheme.residual_tokens % p == 0)]
     if workload.page_size is not None:
+        if scheme.residual_tokens and workload.page_size in scheme.page_sizes and scheme.residual_tokens % workload.page_size:
+            fits = [p for p in scheme.page_sizes if scheme.residual_tokens % p == 0]
+            raise SchemeCapabilityError(
+                f"scheme {scheme.label} keeps {scheme.residual_tokens} residual tokens, not a whole number of "
+                f"{workload.page_size}-token pages; pass "
+                + (f"--page-size {' or '.join(map(str, fits))}, or " if fits else "")
+                + "a residual "
+                f"that is a multiple of {workload.page_size} (e.g. {scheme.name}:residual="
+                f"{-(-scheme.residual_tokens // workload.page_size) * workload.page_size})")
         scheme.check(head_dim, workload.page_size)
         return workload.page_size, f"page {workload.page_size}: set by --page-size"
     if not allowed:
-        raise SchemeCapabilityError(f"scheme {scheme.name} supports none of the page sizes {PAGE_CANDIDATES}")
+        raise SchemeCapabilityError(f"scheme {scheme.label} supports none of the page sizes {PAGE_CANDIDATES}"
+                                    + (f" with {scheme.residual_tokens} residual tokens; use a residual that is a multiple "
+                                       f"of {min(scheme.page_sizes)}" if scheme.residual_tokens else ""))
     # Smallest page that fills a tensor-core tile: half a page of waste per
     # sequence on average, and for page-grouped schemes (KIVI keys) the
     # smallest quantization group, hence the lowest error.
@@ -154,8 +165,9 @@ def choose_scheme(requested: str, schemes: dict[str, Scheme], model: ModelSpec, 
             raise UnknownSchemeError(
                 f"unknown --kv scheme {requested!r}; known: {', '.join(sorted(schemes))} or auto (kvgen schemes lists them)")
         scheme = resolve_scheme(requested, schemes)
-        scheme.check(model.head_dim, workload.page_size or _first_page(scheme), target.arch_number or None)
+        # The page is chosen first: a residual that only small pages divide (int4:residual=24) is valid.
         page, page_why = choose_page_size(scheme, workload, model.head_dim)
+        scheme.check(model.head_dim, page, target.arch_number or None)
         cap = capacity(model, target, workload, shard, scheme, page)
         return scheme, page, cap, f"scheme {scheme.label}: set by --kv; " + page_why
     compute_name = COMPUTE_SCHEME[workload.compute_dtype]
@@ -227,9 +239,36 @@ def make_plan(model: ModelSpec, target: Target, workload: Workload, schemes: dic
     serves the workload from GPU memory alone, else the most bits that plan at
     all; an explicit ``weight_bits`` is taken as given (and may be refused).
     """
+    if workload.context > model.max_positions:
+        # Positions past the trained range are outside what the model (and its RoPE) was built for.
+        raise WorkloadError(
+            f"--context {workload.context} exceeds {model.name}'s {model.max_positions} positions "
+            f"(max_position_embeddings); pass --context {model.max_positions} or less")
     if workload.weight_bits is None:
         return _plan_auto_weight_bits(model, target, workload, schemes, kv)
     return _make_plan(model, target, workload, schemes, kv, weight_reason=f"weights at {workload.weight_bits} bits: set by --weight-bits")
+
+
+def plan_warnings(plan: Plan) -> list[str]:
+    """One line for each thing ``plan`` relies on that kvgen itself does not do (the CLI prints them on stderr).
+
+    kvgen never quantizes weights (a plan with fewer than 16 weight bits
+    assumes the user loads a quantized model), and its runtime has no host
+    tier yet (a plan with ``tiering == "host"`` assumes sequences are swapped
+    to host memory). Such a plan is still valid: these are warnings, not errors.
+    """
+    out = []
+    bits = plan.workload.get("weight_bits")
+    if bits is not None and bits < 16:
+        out.append(f"plan assumes {bits}-bit weights ({plan.weight_bytes / GiB:.1f} GiB); kvgen does not quantize "
+                   f"weights: load a model quantized to {bits} bits, or pass --weight-bits 16 with a larger --tp")
+    if plan.tiering == "host":
+        fix = (f"lower --concurrency to {plan.capacity_sequences}" if plan.capacity_sequences
+               else "lower --context") + " or raise --tp"
+        out.append(f"plan needs a host tier ({plan.host_tier_bytes / GiB:.1f} GiB of KV in host memory; GPU pages hold "
+                   f"{plan.capacity_sequences} of {plan.concurrency} sequences); kvgen's runtime does not swap to host "
+                   f"memory yet: {fix}")
+    return out
 
 
 def _plan_auto_weight_bits(model, target, workload, schemes, kv) -> Plan:

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from kvgen.errors import WorkloadError
 
 COMPUTE_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                   "fp32": "float32", "float32": "float32"}
+
+
+def host_memory_bytes(gib: float) -> int:
+    """``--host-memory`` (GiB, a float) as bytes; WorkloadError for NaN, infinity or a negative size."""
+    if not math.isfinite(gib) or gib < 0:
+        raise WorkloadError(f"--host-memory must be a finite number of GiB >= 0, got {gib}; pass e.g. --host-memory 256")
+    return int(gib * 2**30)
 
 
 @dataclass(frozen=True)
@@ -42,8 +50,9 @@ class Workload:
             raise WorkloadError(f"--page-size must be a power of two (8, 16, 32...) or 'auto', got {self.page_size}")
         if self.compute_dtype not in COMPUTE_DTYPES.values():
             raise WorkloadError(f"--dtype must be one of bf16, fp16, fp32, got {self.compute_dtype}")
-        if self.host_memory_bytes < 0:
-            raise WorkloadError("--host-memory must not be negative")
+        hm = self.host_memory_bytes
+        if not (isinstance(hm, (int, float)) and math.isfinite(hm) and hm >= 0):
+            raise WorkloadError(f"--host-memory must be a finite size >= 0, got {hm!r} bytes; pass e.g. --host-memory 256")
 
     def to_json(self) -> dict:
         return asdict(self)
