@@ -429,3 +429,78 @@ def test_kernels_backend_evaluate(stories):
     assert kern["base_ppl"] == pytest.approx(ref["base_ppl"], rel=1e-5)
     assert kern["ppl"] == pytest.approx(ref["ppl"], rel=1e-3)
     assert kern["kl"] == pytest.approx(ref["kl"], rel=0.1, abs=1e-5) and kern["kl"] > 0
+
+
+# -- --merge input and the progress estimate (issue 13) -------------------------------------
+
+
+@pytest.mark.parametrize("content, expect", [
+    (None, "cannot read"),                                   # no such file
+    ("{not json", "not a JSON file of eval results"),
+    ("[" * 100_000 + "]" * 100_000, "not a JSON file of eval results"),
+    ('{"scheme": "int4"}', "not a list of eval results"),
+    ('[{"scheme": "int4"}]', "lacks"),
+    ("[1, 2]", "not a list of eval results"),
+])
+def test_cli_merge_refuses_bad_files(tmp_path, capsys, content, expect):
+    path = tmp_path / "shard.json"
+    if content is not None:
+        path.write_text(content)
+    try:
+        rc = main(["eval", "--merge", str(path)])
+    except SystemExit as exc:
+        rc = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kvgen: error: --merge") and expect in err[0], err
+    assert str(path) in err[0]
+
+
+def test_cli_merge_refuses_non_numeric_scores(tmp_path, capsys):
+    row = dict(scheme="int4", model="m", text="t", backend="reference", window=64, page_size=16, scored_tokens=10,
+               decode_tokens=5, ppl="high", base_ppl=2.0, kl=0.1, top1=0.9, ppl_decode=2.0, base_ppl_decode=2.0,
+               kl_decode=0.1, top1_decode=0.9, windows=1, compressed_pages=1, seconds=1.0)
+    path = tmp_path / "shard.json"
+    path.write_text(json.dumps([row]))
+    assert main(["eval", "--merge", str(path)]) == 2
+    assert "invalid ppl" in capsys.readouterr().err
+
+
+def test_progress_estimate_follows_forward_passes(monkeypatch, capsys):
+    """With every forward pass costing the same, the printed time left is the time the rest really takes.
+
+    A prefill makes half a window's predictions in one pass; counting predictions
+    (as e6ec643 did) made the estimate far too low ("5 s left" for 80 s)."""
+    import re
+    import time
+    import types
+
+    from kvgen.eval import command
+    from kvgen.eval.assets import Window
+    from kvgen.eval.runner import run_window
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+
+    class OneSecondModel:
+        def forward(self, input_ids, use_cache=True, past_key_values=None):
+            clock[0] += 1.0
+            return types.SimpleNamespace(logits=torch.zeros(*input_ids.shape, 4), past_key_values=None)
+
+        __call__ = forward
+
+    windows = [Window(tuple(range(200)), 100) for _ in range(3)]
+    true_total = sum(1 + (len(w.ids) - 1 - w.prefill) for w in windows)  # one prefill pass + one per decode step
+    total_fn = getattr(command, "progress_total", None)
+    total = total_fn(windows, "reference", 1) if total_fn else sum(w.predictions for w in windows)
+    model = OneSecondModel()
+
+    def run(progress):
+        for w in windows:
+            run_window(model, torch.tensor([w.ids]), w.prefill, None, progress)
+
+    command._with_progress(run, total)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "left" in ln]
+    assert len(lines) >= 3
+    for ln in lines:
+        elapsed, left = (int(x) for x in re.search(r"(\d+) s elapsed, about (\d+) s left", ln).groups())
+        assert left == pytest.approx(true_total - elapsed, abs=2), ln

@@ -203,6 +203,11 @@ class Window:
         """Predictions made by one-token decode steps (the rest come from the prefill forward)."""
         return len(self.ids) - 1 - self.prefill
 
+    @property
+    def forward_passes(self) -> int:
+        """Forward passes one evaluation of the window runs: the prefill, then one per decode step."""
+        return 1 + self.decode_predictions
+
 
 def make_windows(docs: list[list[int]], window: int, max_tokens: int | None = None,
                  prefill_fraction: float = 0.5) -> list[Window]:

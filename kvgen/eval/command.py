@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from kvgen.eval import assets
 
     if args.merge:
-        rows = merge_rows([json.loads(Path(f).read_text()) for f in args.merge])
+        rows = merge_rows([read_result_file(f) for f in args.merge])
         _emit(rows, args)
         return 0
     fetched = None
@@ -114,6 +114,34 @@ def _window_range(text: str | None) -> tuple[int, int] | None:
     if not 0 <= start < end:
         raise EvalError(f"--windows {text}: need 0 <= START < END")
     return start, end
+
+
+MERGE_KEYS = ("scheme", "model", "text", "backend", "window", "page_size", "scored_tokens", "decode_tokens", "ppl",
+              "base_ppl", "kl", "top1", "ppl_decode", "base_ppl_decode", "kl_decode", "top1_decode", "windows",
+              "compressed_pages", "seconds")
+"""The fields of a result row that ``merge_rows`` reads."""
+
+
+def read_result_file(path: str | Path) -> list[dict[str, Any]]:
+    """The result rows a ``kvgen eval --json-out`` file holds; EvalError (naming the file) for anything else."""
+    fix = "pass the files that 'kvgen eval --windows A:B --json-out FILE' wrote"
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise EvalError(f"--merge: cannot read {path} ({exc.strerror or exc}); {fix}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise EvalError(f"--merge: {path} is not a JSON file of eval results ({type(exc).__name__}); {fix}") from None
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise EvalError(f"--merge: {path} holds a JSON {type(data).__name__}, not a list of eval results; {fix}")
+    for r in data:
+        missing = [k for k in MERGE_KEYS if k not in r]
+        if missing:
+            raise EvalError(f"--merge: a result in {path} lacks {', '.join(missing)}; {fix}")
+        bad = [k for k in MERGE_KEYS[6:] if isinstance(r[k], bool) or not isinstance(r[k], (int, float))
+               or (k.startswith(("ppl", "base_ppl")) and r[k] <= 0)]  # NaN: no tokens of that kind
+        if bad:
+            raise EvalError(f"--merge: a result in {path} has invalid {', '.join(bad)}; {fix}")
+    return data
 
 
 def merge_rows(parts: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -201,10 +229,12 @@ def evaluate_files(model_path: str, gguf: str | None, text: str, kv: str | Seque
     run = EvalRun(model_name=gguf or folder.name, text_name=text_path.name, schemes=schemes, backend=backend,
                   page_size=page_size, window=window, device=device)
     passes = 1 if backend == "reference" else 1 + len(schemes)
-    total = passes * sum(w.predictions for w in windows)
+    total = progress_total(windows, backend, len(schemes))
+    predictions = sum(w.predictions for w in windows)
     decode = sum(w.decode_predictions for w in windows)
-    _err(f"kvgen eval: {run.model_name} on {run.text_name}: {len(windows)} windows, {total // passes} predictions "
-         f"({decode} by one-token decode steps); backend {backend}; schemes {', '.join(s.label for s in schemes)}")
+    _err(f"kvgen eval: {run.model_name} on {run.text_name}: {len(windows)} windows, {predictions} predictions "
+         f"({decode} by one-token decode steps, {total // passes} forward passes); backend {backend}; "
+         f"schemes {', '.join(s.label for s in schemes)}")
     if not show_progress:
         rows = evaluate(model, windows, run)
     else:
@@ -213,6 +243,32 @@ def evaluate_files(model_path: str, gguf: str | None, text: str, kv: str | Seque
         for r in rows:
             r["window_range"] = list(window_range)
     return rows
+
+
+def progress_total(windows, backend: str, num_schemes: int) -> int:
+    """Forward passes an evaluation runs, the unit of its progress (see ``kvgen.eval.runner.Progress``):
+    the reference backend runs every scheme in one batched pass, the kernels backend the baseline and each scheme."""
+    passes = 1 if backend == "reference" else 1 + num_schemes
+    return passes * sum(w.forward_passes for w in windows)
+
+
+class Eta:
+    """Time left from the rate since the first report, so set-up before it (model load, compiles) is not
+    spread over the remaining work; None until a second report gives a rate."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        self._start: tuple[float, int] | None = None
+
+    def update(self, n: int, now: float) -> float | None:
+        self.done += n
+        if self._start is None:
+            self._start = (now, self.done)
+            return None
+        t0, d0 = self._start
+        if self.done <= d0:
+            return None
+        return (now - t0) / (self.done - d0) * (self.total - self.done)
 
 
 def _with_progress(fn, total: int):
@@ -225,19 +281,19 @@ def _with_progress(fn, total: int):
     console = Console(stderr=True)
     if not console.is_terminal:
         t0 = last = time.monotonic()
-        done = 0
+        eta = Eta(total)
 
         def progress(n: int) -> None:
-            nonlocal done, last
-            done += n
+            nonlocal last
             now = time.monotonic()
-            if now - last >= 60 or done == total:
+            left = eta.update(n, now)
+            if now - last >= 60 or eta.done == total:
                 last = now
-                eta = (now - t0) / done * (total - done)
-                _err(f"eval: {done}/{total} tokens, {now - t0:.0f} s elapsed, about {eta:.0f} s left")
+                guess = "" if left is None else f", about {left:.0f} s left"
+                _err(f"eval: {eta.done}/{total} forward passes, {now - t0:.0f} s elapsed{guess}")
 
         return fn(progress)
-    with Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+    with Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TextColumn("forward passes"),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False) as bar:
         task = bar.add_task("eval", total=total)
         return fn(lambda n: bar.advance(task, n))

@@ -56,7 +56,10 @@ PREFILL_CHUNK_KV = "fresh"
 Results of the earlier protocol (the chunk read back from the quantized pages) lack the key."""
 
 Progress = Callable[[int], None]
-"""Called with the number of predictions just made (for a progress bar)."""
+"""Called with the number of forward passes just run (for a progress bar): 1 per prefill and per decode step.
+
+Forward passes, not predictions: a prefill makes half a window's predictions
+in one pass, so counting predictions made the time-left estimate far too low."""
 
 
 def resolve_backend(backend: str, device: str) -> str:
@@ -125,7 +128,7 @@ def run_window(model, ids: torch.Tensor, prefill: int, cache=None, progress: Pro
     logits, cache = _forward(model, ids[:, :prefill], cache, cache_kw)
     steps = [logits.float()]
     if progress:
-        progress(prefill)
+        progress(1)
     for t in range(prefill, n - 1):
         logits, cache = _forward(model, ids[:, t:t + 1], cache, cache_kw)
         steps.append(logits.float())
