@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -265,6 +266,30 @@ def save_codebooks(path: str | os.PathLike, fits: dict[int, dict[str, Any]], met
     os.replace(tmp, path)
 
 
+MAX_FILE_BYTES = 16 * 2**20
+"""Largest codebook file read (the shipped ones are under 100 KB; per-layer books of a 128-layer model ~1 MB)."""
+
+
+def _read_bounded(path: str | os.PathLike | Any) -> str:
+    """The text of a codebook file: a regular file of at most MAX_FILE_BYTES, else OSError/ValueError.
+
+    Opened non-blocking and checked with fstat on the open descriptor: a FIFO
+    would block the open (and the read) forever, a device such as /dev/zero
+    would be read until memory runs out.
+    """
+    if not isinstance(path, (str, os.PathLike)):  # a shipped file (importlib Traversable): ours, small
+        return path.read_text()
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_FILE_BYTES >> 20} MiB")
+    return data.decode("utf-8")
+
+
 def load_codebooks(path: str | os.PathLike | Any) -> dict[str, Any]:
     """Read and validate a codebook file.
 
@@ -272,10 +297,13 @@ def load_codebooks(path: str | os.PathLike | Any) -> dict[str, Any]:
     float32 tensor, "layers": [float32 tensor], "stats": [...]}}``.
     """
     try:
-        text = path.read_text() if hasattr(path, "read_text") else Path(path).read_text()
+        text = _read_bounded(path)
         data = json.loads(text)
     except (OSError, ValueError) as exc:
         raise CodebookError(f"cannot read codebook file {path}: {exc}; pass a file written by 'kvgen nuq calibrate'") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise CodebookError(f"{path} nests JSON too deeply to be a codebook file; pass a file written by "
+                            "'kvgen nuq calibrate'") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("codebooks"), dict):
         raise CodebookError(f"{path} is not a {FORMAT} file; write one with 'kvgen nuq calibrate'")
     books = {}
@@ -284,6 +312,10 @@ def load_codebooks(path: str | os.PathLike | Any) -> dict[str, Any]:
             p = int(page)
         except ValueError:
             raise CodebookError(f"{path}: page size {page!r} is not an integer; refit it with 'kvgen nuq calibrate'") from None
+        if not isinstance(fit, dict) or not isinstance(fit.get("layers", []), list):
+            got = f"'layers' a JSON {type(fit['layers']).__name__}" if isinstance(fit, dict) else f"a JSON {type(fit).__name__}"
+            raise CodebookError(f"{path}: page {p} must be an object with 'pooled' levels and a 'layers' list, got {got}; "
+                                "refit it with 'kvgen nuq calibrate'")
         books[p] = {
             "pooled": check_codebook(fit.get("pooled", ()), f"{path}: page {p} pooled codebook"),
             "layers": [check_codebook(cb, f"{path}: page {p} layer {i} codebook") for i, cb in enumerate(fit.get("layers", []))],

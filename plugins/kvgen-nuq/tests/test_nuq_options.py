@@ -102,3 +102,71 @@ def test_unknown_nuq4_option(capsys):
     assert main(["plan", *PLAN, "--kv", "nuq4:levels=8"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "scheme nuq4 has no option 'levels'; its options are codebook" in err
+
+
+# -- codebook files that are not codebook files (issue 13, item 6) ----------------------------
+
+
+def _configure_in_thread(spec: str, seconds: float = 30.0):
+    """``nuq4`` configured with ``codebook=spec`` in a thread: (finished, exception). A FIFO blocked forever on e6ec643."""
+    import threading
+
+    result: dict = {}
+
+    def target():
+        try:
+            default_registry().schemes["nuq4"].with_options(codebook=spec)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            result["exc"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive(), result.get("exc")
+
+
+def test_codebook_fifo_is_refused_without_blocking(tmp_path):
+    import os
+
+    fifo = tmp_path / "codebook.json"
+    os.mkfifo(fifo)
+    finished, exc = _configure_in_thread(str(fifo))
+    if not finished:  # let the blocked reader go (a writer that closes at once: EOF), then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert finished, "reading a FIFO codebook blocked"
+    assert isinstance(exc, CodebookError) and "not a regular file" in str(exc)
+
+
+def test_codebook_device_is_refused(tmp_path):
+    finished, exc = _configure_in_thread("/dev/zero")
+    assert finished and isinstance(exc, CodebookError) and "not a regular file" in str(exc)
+
+
+def test_codebook_file_size_is_bounded(tmp_path):
+    from kvgen_nuq.codebook import MAX_FILE_BYTES
+
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(MAX_FILE_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(CodebookError, match="larger than"):
+        default_registry().schemes["nuq4"].with_options(codebook=str(big))
+
+
+@pytest.mark.parametrize("books, expect", [
+    ({"16": [0.0] * 16}, "got a JSON list"),                                       # list-valued page
+    ({"16": {"pooled": [i / 8 - 1 for i in range(16)], "layers": 3}}, "'layers' a JSON int"),
+    ({"16": "levels"}, "got a JSON str"),
+])
+def test_codebook_pages_must_be_objects(tmp_path, capsys, books, expect):
+    path = tmp_path / "cb.json"
+    path.write_text(json.dumps({"format": "kvgen-nuq-codebook/1", "codebooks": books}))
+    assert main(["plan", *PLAN, "--kv", f"nuq4:codebook={path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvgen: error:") and expect in err[0], err
+
+
+def test_codebook_deeply_nested_json(tmp_path, capsys):
+    path = tmp_path / "cb.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    assert main(["plan", *PLAN, "--kv", f"nuq4:codebook={path}"]) == 2
+    assert "nests JSON too deeply" in capsys.readouterr().err
