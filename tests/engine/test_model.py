@@ -1,0 +1,83 @@
+"""The executor's dense parts equal Hugging Face's: tiny random Llama / Mistral / Qwen2 / Qwen3 checkpoints.
+
+Attention here is a plain causal SDPA (one sequence), so these tests check
+weights, norms, RoPE (llama3 scaling included), biases, q/k norms and tied
+or separate heads without the Triton interpreter; the runtime's attention
+is compared with HF end to end in test_generate.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kvgen.engine.config import ModelConfig  # noqa: E402
+from kvgen.engine.errors import EngineError  # noqa: E402
+from kvgen.engine.rope import inv_frequencies  # noqa: E402
+from kvgen.engine.weights import build_model, load_weights, random_weights  # noqa: E402
+
+BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+CASES = {
+    "llama3": dict(model_type="llama", tie_word_embeddings=False, rope_theta=500000.0,
+                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=16)),
+    "llama-tied-linear": dict(model_type="llama", tie_word_embeddings=True,
+                              rope_scaling=dict(rope_type="linear", factor=2.0)),
+    "mistral": dict(model_type="mistral", tie_word_embeddings=False, sliding_window=None),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", tie_word_embeddings=False, head_dim=16),
+}
+
+
+def sdpa_attend(layer, q, k, v):
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                                           v.transpose(0, 1), is_causal=True)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forward_matches_transformers(name, tmp_path):
+    raw = {**BASE, **CASES[name]}
+    hf_cfg = transformers.AutoConfig.for_model(**raw)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)  # biases and norm weights too: every tensor must be loaded into its place
+    hf.save_pretrained(tmp_path)
+    cfg = ModelConfig.from_folder(tmp_path)
+    assert cfg.qkv_bias == (name == "qwen2") and cfg.qk_norm == (name == "qwen3")
+    model = load_weights(build_model(cfg, 64, torch.device("cpu"), torch.float32), tmp_path)
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1))
+    ours = model.logits(model(ids, torch.arange(40), sdpa_attend))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0].float()
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=2e-4)
+
+
+def test_llama3_inverse_frequencies_match_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    raw = {**BASE, **CASES["llama3"], "head_dim": 64}
+    hf_cfg = transformers.AutoConfig.for_model(**raw)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    torch.testing.assert_close(inv_frequencies(ModelConfig.from_dict(raw)), ref.float())
+
+
+def test_random_weights_and_config_errors():
+    cfg = ModelConfig.from_dict({**BASE, "model_type": "qwen2"})
+    m = random_weights(build_model(cfg, 16, torch.device("cpu"), torch.bfloat16))
+    assert m.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert m.model.layers[0].self_attn.q_proj.bias is not None
+    assert float(m.model.norm.weight.float().mean()) == 1.0
+    with pytest.raises(EngineError, match="model_type 'gpt2'"):
+        ModelConfig.from_dict({**BASE, "model_type": "gpt2"})
+    with pytest.raises(EngineError, match="yarn"):
+        ModelConfig.from_dict({**BASE, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(EngineError, match="lacks hidden_size"):
+        ModelConfig.from_dict({k: v for k, v in {**BASE, "model_type": "llama"}.items() if k != "hidden_size"})
