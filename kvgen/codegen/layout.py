@@ -12,6 +12,7 @@ from typing import Any
 
 import sympy
 
+from kvgen.errors import PluginError
 from kvgen.schemes import COMPUTE, PageTensor, Scheme
 
 TL_DTYPES = {
@@ -68,6 +69,11 @@ def _tensor_layouts(tensors: tuple[PageTensor, ...], compute_dtype: str, prefix:
     d, p = sympy.symbols("D P", positive=True, integer=True)
     out = {}
     for t in tensors:
+        # Tensor names become kernel argument names in the source: they must be identifiers.
+        if not (isinstance(t.name, str) and t.name.isidentifier()) or t.name.startswith("__"):
+            raise PluginError(f"page tensor name {t.name!r} is not a plain Python identifier; name it like 'k_scale'")
+        if (compute_dtype if t.dtype == COMPUTE else t.dtype) not in TL_DTYPES:
+            raise PluginError(f"page tensor {t.name} has dtype {t.dtype!r}; use one of {', '.join(TL_DTYPES)}")
         # Shapes are declared per (D, P); the stride is their product, folded to a constant.
         stride = sympy.Mul(*[sympy.Integer(s) for s in t.shape]) if t.shape else sympy.Integer(1)
         dtype = compute_dtype if t.dtype == COMPUTE else t.dtype

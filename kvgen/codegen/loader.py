@@ -10,31 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import sys
-import tempfile
 from pathlib import Path
 from types import ModuleType
 
 from kvgen import env
+from kvgen.atomic import write_atomic
 from kvgen.codegen.render import render_kernel
 from kvgen.codegen.spec import KernelSpec
 from kvgen.registry import Registry, default_registry
 from kvgen.schemes import Scheme
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temp file and os.replace (never half-written)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def import_source(source: str, module_name: str, directory: Path | None = None) -> ModuleType:

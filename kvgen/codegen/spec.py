@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 
 OPS = ("decode", "prefill", "cache_write", "page_quantize", "dequant", "page_copy")
 COMPUTE_DTYPES = ("float16", "bfloat16", "float32")
+_SCHEME_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,9 @@ class KernelSpec:
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ValueError(f"unknown op {self.op!r}; known: {OPS}")
+        # The scheme name is written into the generated source (docstrings, messages): letters, digits, _ . - only.
+        if not isinstance(self.scheme, str) or not _SCHEME_NAME.fullmatch(self.scheme):
+            raise ValueError(f"scheme name {self.scheme!r} must be letters, digits, '_', '.' or '-'")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
 
