@@ -133,3 +133,14 @@ def test_generated_package_imports_with_torch_and_triton_only(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_package_name_differs_by_compute_dtype():
+    from kvgen.planner.plan import package_name
+
+    names = {d: package_name("llama-3-70b", "h100", "int4", {}, 1, 16, d) for d in ("bfloat16", "float16", "float32")}
+    assert len(set(names.values())) == 3 and all(n.isidentifier() for n in names.values())
+    assert names["bfloat16"] == "llama_3_70b_h100_int4_tp1_p16"  # the default keeps make run's (and the README's) name
+    with_opts = package_name("llama-3-70b", "h100", "int4", {"residual": "64"}, 1, 16, "float16")
+    assert with_opts not in names.values() and with_opts.endswith("_fp16")
+    assert package_name("3-tiny", "h100", "int4", {}, 1, 16, "bfloat16").startswith("m_3_tiny")

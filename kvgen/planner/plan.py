@@ -2,8 +2,36 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+# Compute dtypes other than the default get a suffix in the package name; bfloat16 (the default) keeps
+# the names packages had before the dtype was part of them (README, make run).
+_DTYPE_SUFFIX = {"bfloat16": "", "float16": "_fp16", "float32": "_fp32"}
+
+
+def package_name(model: str, target: str, scheme: str, options: Mapping[str, str], tp: int, page_size: int,
+                 compute_dtype: str) -> str:
+    """The plan's name, which is also its generated package's import name and folder name.
+
+    A Python identifier: ``<model>_<target>_<scheme>[_<options digest>]_tp<N>_p<page>[_fp16|_fp32]``,
+    with every run of other characters turned into ``_``. Two plans that compile to different
+    kernels never share a name: scheme options enter as a digest, and the compute dtype as a
+    suffix (none for bfloat16, the default, so those names stay as they were).
+    """
+    if compute_dtype not in _DTYPE_SUFFIX:
+        raise ValueError(f"unknown compute dtype {compute_dtype!r}; known: {', '.join(_DTYPE_SUFFIX)}")
+    opts = ""
+    if options:
+        opts = "_" + hashlib.sha256(json.dumps(dict(options), sort_keys=True).encode()).hexdigest()[:8]
+    name = re.sub(r"[^0-9A-Za-z]+", "_", f"{model}_{target}_{scheme}{opts}_tp{tp}_p{page_size}").strip("_")
+    if name[0].isdigit():
+        name = "m_" + name
+    return name + _DTYPE_SUFFIX[compute_dtype]
 
 
 @dataclass(frozen=True)
