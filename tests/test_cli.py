@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -134,3 +135,81 @@ def test_a_scheme_with_options_but_no_configure_is_refused_at_registration():
     reg = load_registry(extra_plugins=(Plugin(),))
     assert "halfdone" not in reg.schemes
     assert "does not implement configure()" in reg.plugins[-1].error
+
+
+# -- tables: fit the terminal, plain when piped ------------------------------------------------------------------
+
+def _listed_names():
+    from kvgen.models import list_models
+    from kvgen.registry import default_registry
+    from kvgen.targets import list_targets
+
+    return {"models": [m.name for m in list_models()], "targets": [t.name for t in list_targets()],
+            "schemes": sorted(default_registry().schemes), "plugins": [p.name for p in default_registry().plugins]}
+
+
+def test_tables_fit_an_80_column_terminal(capsys, monkeypatch):
+    from kvgen import cli
+
+    monkeypatch.setattr(cli, "_is_terminal", lambda: True, raising=False)
+    monkeypatch.setenv("COLUMNS", "80")
+    for command, names in _listed_names().items():
+        assert main([command]) == 0
+        out = capsys.readouterr().out
+        assert max(len(line) for line in out.splitlines()) <= 80, f"kvgen {command}:\n{out}"
+        missing = [n for n in names if n not in out]  # no name cut or folded
+        assert not missing, f"kvgen {command} lost {missing}:\n{out}"
+
+
+def test_tables_are_plain_rows_when_piped(capsys, monkeypatch):
+    from kvgen import cli
+    from kvgen.registry import default_registry
+
+    monkeypatch.setattr(cli, "_is_terminal", lambda: False, raising=False)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["schemes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert not any(ch in "".join(lines) for ch in "│┃━─"), "box drawing in piped output"
+    for name, scheme in default_registry().schemes.items():
+        row = [line for line in lines if line.split() and line.split()[0] == name]
+        assert len(row) == 1 and scheme.summary in row[0], (name, row)  # one line per row, nothing cut
+
+
+# -- commands: one entry each, built only when run ---------------------------------------------------------------
+
+HELLO_CALLS = []
+
+
+def _hello_args(parser):
+    parser.add_argument("--who", default="world")
+
+
+HELLO = types.SimpleNamespace(add_args=_hello_args, run=lambda args: HELLO_CALLS.append((args.who, args.json)) or 0)
+
+
+def test_a_command_is_one_entry_in_COMMANDS(capsys, monkeypatch):
+    from kvgen import cli
+
+    monkeypatch.setitem(cli.COMMANDS, "hello", ("say hello", f"{__name__}:HELLO"))
+    assert main(["hello", "--who", "kvgen", "--json"]) == 0 and HELLO_CALLS[-1] == ("kvgen", True)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "say hello" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["hello", "--help"])
+    assert "--who" in capsys.readouterr().out
+
+
+def test_a_plugin_command_named_like_a_builtin_is_ignored_and_reported(capsys, monkeypatch):
+    from kvgen import registry
+    from kvgen.plugin_api import hookimpl
+
+    class Hijack:
+        @hookimpl
+        def kvgen_register_commands(self, register):
+            register("plan", "not kvgen's plan", lambda parser: (lambda args: 99))
+
+    reg = registry.load_registry(extra_plugins=(Hijack(),), lazy=True)
+    monkeypatch.setattr(registry, "default_registry", lambda: reg)
+    assert main(["frobnicate"]) == 2  # an unknown name lists plugin commands, and so meets the clash
+    assert "kvgen's own" in reg.plugins[-1].error
