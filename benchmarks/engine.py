@@ -1,0 +1,339 @@
+"""Engine benchmark (GPU, one process): decode step time vs roofline and HF, offline throughput, KV-bound case, TTFT.
+
+    python -m benchmarks.engine [--quick] [--out benchmarks/results/engine.json]
+
+A Llama-3-8B-shaped model with random bf16 weights (no download). Parts
+(issue 14, item 6):
+
+(a) ``step``: ms per decode step of the engine at B=1/16K and B=32/2K for
+    each KV scheme, with the roofline ``(weight bytes + KV bytes read) /
+    copy bandwidth`` (bandwidth measured in this run), and HF ``generate``
+    (dynamic cache; static cache + torch.compile unless --no-hf-static) at
+    the same shapes.
+(b) ``throughput``: 1,000 requests, prompts 512-2,048 and outputs 128-512
+    tokens (uniform, seeded): generated tokens/s and peak concurrent
+    sequences per scheme; HF ``generate`` with static batches of 32 over the
+    first ``--hf-requests`` requests.
+(c) ``throughput`` with ``context`` 32768: equal KV memory (``--kv-bound-gb``)
+    for every scheme, 32K-token sequences decoding: int4 fits ~3x bf16's.
+(d) ``ttft``: time to first token of one 16K-token prompt.
+
+JSON: ``{gpu, torch, triton, copy_bandwidth, date, records: [...]}``; each
+record has ``kind``, ``engine``, ``kv``, ``B`` or ``requests``, ``context``,
+``ms``, ``roofline_ms`` (steps), ``tokens_per_s`` (throughput). A PNG of the
+step and throughput records goes next to the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.run import copy_bandwidth
+
+LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                 rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+                 rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                   original_max_position_embeddings=8192))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def make_engine(kv: str, *, max_model_len: int, max_num_seqs: int, max_tokens: int | None = None, eager=False):
+    from kvgen.engine.loader import build_engine
+
+    return build_engine(config=LLAMA3_8B, kv=kv, dtype="bfloat16", device="cuda", max_model_len=max_model_len,
+                        max_num_seqs=max_num_seqs, max_tokens=max_tokens, enforce_eager=eager)
+
+
+def release(engine) -> None:
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def weight_bytes(engine) -> int:
+    return sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+
+
+def run_until(engine, cond, max_steps=10**7) -> int:
+    n = 0
+    while not cond() and n < max_steps:
+        engine.step()
+        n += 1
+    return n
+
+
+def step_records(kvs, shapes, bw, steps, hf_static) -> list[dict]:
+    from kvgen.engine import SamplingParams
+
+    out = []
+    for B, L in shapes:
+        for kv in kvs:
+            eng = make_engine(kv, max_model_len=L + steps + 64, max_num_seqs=B)
+            rng = random.Random(0)
+            params = SamplingParams(temperature=0, max_tokens=steps + 32, ignore_eos=True)
+            for _ in range(B):
+                eng.add_request(None, [rng.randrange(1000, 100000) for _ in range(L)], params)
+            # prefill everything (chunked), then one warm decode step
+            run_until(eng, lambda: all(s.num_computed >= len(s.tokens) - 1 for s in eng.scheduler.running)
+                      and not eng.scheduler.waiting)
+            eng.step()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t) * 1e3 / steps
+            kv_bytes = B * (L + steps // 2) * eng.plan.kv_bytes_per_token
+            roof = (weight_bytes(eng) + kv_bytes) / bw * 1e3
+            rec = dict(kind="step", engine="kvgen", kv=kv, B=B, context=L, ms=ms, roofline_ms=roof,
+                       vs_roofline=ms / roof, graph_steps=eng.runner.graph_steps)
+            log(json.dumps(rec))
+            out.append(rec)
+            release(eng)
+        out.extend(hf_step_records(B, L, bw, steps, hf_static))
+    return out
+
+
+def hf_model():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**{k: v for k, v in LLAMA3_8B.items() if k != "torch_dtype"})
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def hf_step_records(B, L, bw, steps, static) -> list[dict]:
+    out = []
+    try:
+        model = hf_model()
+    except Exception as e:  # transformers missing or OOM: the kvgen numbers still stand
+        log(f"hf model failed: {e}")
+        return out
+    wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ids = torch.randint(1000, 100000, (B, L), device="cuda")
+    for name, kw in (("hf-dynamic", {}), ("hf-static", {"cache_implementation": "static"}) if static else (None, None)):
+        if name is None:
+            continue
+        try:
+            def gen(n):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                with torch.no_grad():
+                    model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+                torch.cuda.synchronize()
+                return time.perf_counter() - t
+            gen(2)
+            short, long = gen(2), gen(2 + steps)
+            ms = (long - short) * 1e3 / steps
+            kv_bytes = B * (L + steps // 2) * 2 * 32 * 8 * 128 * 2
+            rec = dict(kind="step", engine=name, kv="bf16", B=B, context=L, ms=ms,
+                       roofline_ms=(wbytes + kv_bytes) / bw * 1e3)
+            log(json.dumps(rec))
+            out.append(rec)
+        except Exception as e:
+            log(f"{name} failed at B={B} L={L}: {e}")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def workload(n: int, seed: int = 0, prompt=(512, 2048), output=(128, 512)):
+    rng = random.Random(seed)
+    return [([rng.randrange(1000, 100000) for _ in range(rng.randint(*prompt))], rng.randint(*output))
+            for _ in range(n)]
+
+
+def throughput_record(kv, reqs, *, max_model_len, max_num_seqs, max_tokens=None, context=None, label="kvgen"):
+    from kvgen.engine import SamplingParams
+
+    eng = make_engine(kv, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_tokens=max_tokens)
+    eng.stream_text = False
+    for prompt, n in reqs:
+        eng.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    generated = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                generated += len(out.outputs[0].token_ids)
+    torch.cuda.synchronize()
+    s = time.perf_counter() - t
+    rec = dict(kind="throughput", engine=label, kv=kv, requests=len(reqs), context=context, ms=s * 1e3,
+               tokens_per_s=generated / s, peak_concurrent=eng.peak_running, preemptions=eng.scheduler.num_preemptions,
+               capacity_tokens=eng.cache.capacity_tokens)
+    log(json.dumps(rec))
+    release(eng)
+    return rec
+
+
+def hf_throughput_record(reqs, batch=32) -> dict | None:
+    try:
+        model = hf_model()
+    except Exception as e:
+        log(f"hf model failed: {e}")
+        return None
+    generated = 0
+    t = time.perf_counter()
+    for i in range(0, len(reqs), batch):
+        chunk = reqs[i:i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device="cuda")
+        n = max(m for _, m in chunk)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)
+        generated += sum(m for _, m in chunk)  # tokens the requests asked for (the batch runs to the longest)
+    torch.cuda.synchronize()
+    s = time.perf_counter() - t
+    rec = dict(kind="throughput", engine="hf-dynamic", kv="bf16", requests=len(reqs), context=None, ms=s * 1e3,
+               tokens_per_s=generated / s, batch=batch)
+    log(json.dumps(rec))
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rec
+
+
+def ttft_record(kv, L) -> dict:
+    from kvgen.engine import SamplingParams
+
+    eng = make_engine(kv, max_model_len=L + 16, max_num_seqs=1)
+    prompt = [random.Random(1).randrange(1000, 100000) for _ in range(L)]
+    eng.add_request("warm", prompt[:512], SamplingParams(max_tokens=1))
+    run_until(eng, lambda: not eng.has_unfinished_requests())
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    eng.add_request("ttft", prompt, SamplingParams(max_tokens=1))
+    run_until(eng, lambda: not eng.has_unfinished_requests())
+    torch.cuda.synchronize()
+    rec = dict(kind="ttft", engine="kvgen", kv=kv, B=1, context=L, ms=(time.perf_counter() - t) * 1e3)
+    log(json.dumps(rec))
+    release(eng)
+    return rec
+
+
+def plot(records, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    steps = [r for r in records if r["kind"] == "step"]
+    labels = [f"{r['engine']} {r['kv']}\nB{r['B']} L{r['context']}" for r in steps]
+    a.bar(range(len(steps)), [r["ms"] for r in steps], label="measured")
+    a.scatter(range(len(steps)), [r["roofline_ms"] for r in steps], color="k", marker="_", s=400, label="roofline")
+    a.set_xticks(range(len(steps)))
+    a.set_xticklabels(labels, fontsize=6, rotation=60)
+    a.set_ylabel("ms per decode step")
+    a.set_yscale("log")
+    a.legend()
+    thr = [r for r in records if r["kind"] == "throughput"]
+    b.bar(range(len(thr)), [r["tokens_per_s"] for r in thr])
+    b.set_xticks(range(len(thr)))
+    b.set_xticklabels([f"{r['engine']} {r['kv']}\n{r['requests']} req ctx {r['context'] or 'mixed'}" for r in thr],
+                      fontsize=6, rotation=60)
+    b.set_ylabel("generated tokens / s")
+    fig.suptitle("kvgen engine, Llama-3-8B shape, random bf16 weights")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small shapes and counts (minutes)")
+    ap.add_argument("--out", default="benchmarks/results/engine.json")
+    ap.add_argument("--kv", default="bf16,int8,int4")
+    ap.add_argument("--parts", default="step,throughput,kvbound,ttft")
+    ap.add_argument("--hf-requests", type=int, default=128)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-hf-static", action="store_true")
+    ap.add_argument("--kv-bound-gb", type=float, default=16.0)
+    args = ap.parse_args(argv)
+    import triton
+
+    kvs = args.kv.split(",")
+    parts = set(args.parts.split(","))
+    q = args.quick
+    bw = copy_bandwidth()
+    log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    records: list[dict] = []
+    doc = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               copy_bandwidth=bw, date=datetime.datetime.now(datetime.timezone.utc).isoformat(), quick=q,
+               records=records)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(out)
+
+    def attempt(fn, *a, **kw):
+        try:
+            r = fn(*a, **kw)
+        except Exception as e:  # one failing part must not lose the rest
+            log(f"{getattr(fn, '__name__', fn)} failed: {type(e).__name__}: {e}")
+            return
+        if isinstance(r, list):
+            records.extend(r)
+        elif r is not None:
+            records.append(r)
+        save()
+
+    if "step" in parts:
+        shapes = [(1, 4096), (8, 1024)] if q else [(1, 16384), (32, 2048)]
+        attempt(step_records, kvs, shapes, bw, 16 if q else 64, not (q or args.no_hf_static or args.no_hf)) \
+            if not args.no_hf else attempt(lambda: [r for r in step_records(kvs, shapes, bw, 16 if q else 64, False)
+                                                    if r["engine"] == "kvgen"])
+    if "throughput" in parts:
+        reqs = workload(64 if q else 1000, prompt=(128, 512) if q else (512, 2048), output=(32, 128) if q else (128, 512))
+        for kv in kvs:
+            attempt(throughput_record, kv, reqs, max_model_len=4096, max_num_seqs=256)
+        if not args.no_hf:
+            attempt(hf_throughput_record, reqs[:min(len(reqs), 32 if q else args.hf_requests)])
+    if "kvbound" in parts:
+        ctx = 8192 if q else 32768
+        budget = (2 if q else args.kv_bound_gb) * 2**30
+        for kv in kvs:
+            def kv_bound(kv=kv):
+                from kvgen.engine.loader import build_engine  # noqa: F401  (planning only below)
+                eng = make_engine(kv, max_model_len=ctx + 256, max_num_seqs=256, max_tokens=4096)
+                per_token = eng.plan.kv_bytes_per_token
+                release(eng)
+                cap = int(budget // per_token)
+                n = max(1, cap // (ctx + 128))
+                reqs = workload(2 * n, seed=2, prompt=(ctx - 64, ctx), output=(128, 128))
+                return throughput_record(kv, reqs, max_model_len=ctx + 256, max_num_seqs=256, max_tokens=cap,
+                                         context=ctx)
+            attempt(kv_bound)
+    if "ttft" in parts:
+        for kv in kvs:
+            attempt(ttft_record, kv, 4096 if q else 16384)
+    save()
+    plot(records, out.with_suffix(".png"))
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
