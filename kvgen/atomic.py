@@ -47,6 +47,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import functools
 import os
 import re
 import secrets
@@ -150,6 +151,7 @@ def _file_locked(directory: Path, timeout: float) -> Iterator[None]:
         lock.release()
 
 
+@functools.cache
 def _swap_function() -> Callable[[bytes, bytes], int] | None:
     """The C function that atomically exchanges two paths, or None where there is none."""
     try:
