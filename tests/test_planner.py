@@ -143,3 +143,11 @@ def test_workload_validation():
         Workload(context=0)
     with pytest.raises(WorkloadError):
         Workload(page_size=24)
+
+
+def test_plan_name_differs_by_compute_dtype(capsys):
+    """--dtype fp16 and bf16 compile different kernels: their packages must not share a folder (issue 13)."""
+    names = {d: plan_json(capsys, "--model", "llama-3-8b", "--target", "h100", "--kv", "int4", "--dtype", d)["name"]
+             for d in ("bf16", "fp16", "fp32")}
+    assert len(set(names.values())) == 3
+    assert names["bf16"] == "llama_3_8b_h100_int4_tp1_p16"  # the default keeps its name

@@ -9,10 +9,7 @@ scheme's layout, it asks the scheme for its bytes per token.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
-import re
 from dataclasses import dataclass
 
 import sympy
@@ -20,7 +17,7 @@ import sympy
 from kvgen.errors import PlanError, SchemeCapabilityError, UnknownSchemeError, WorkloadError
 from kvgen.models import ModelSpec
 from kvgen.planner import memory as mm
-from kvgen.planner.plan import Plan
+from kvgen.planner.plan import Plan, package_name
 from kvgen.planner.workload import Workload
 from kvgen.schemes import Scheme, parse_scheme_spec, resolve_scheme
 from kvgen.targets import Target
@@ -301,15 +298,8 @@ def _make_plan(model: ModelSpec, target: Target, workload: Workload, schemes: di
     scheme, page, cap, scheme_why = choose_scheme(kv, schemes, model, target, workload, shard)
     tiering, host_bytes, transfer_ms, tier_why = choose_tiering(model, target, workload, cap)
     weight_bytes = model.num_params * workload.weight_bits // 8
-    # The plan name is also the generated package's import name: keep it an identifier.
-    # Options go into the name as a short digest, so two configurations never share a package folder.
-    opts = ""
-    if scheme.option_values:
-        opts = "_" + hashlib.sha256(json.dumps(dict(scheme.option_values), sort_keys=True).encode()).hexdigest()[:8]
-    name = re.sub(r"[^0-9A-Za-z]+", "_",
-                  f"{model.name}_{target.name}_{scheme.name}{opts}_tp{workload.tp}_p{page}").strip("_")
-    if name[0].isdigit():
-        name = "m_" + name
+    name = package_name(model.name, target.name, scheme.name, scheme.option_values, workload.tp, page,
+                        workload.compute_dtype)
     return Plan(
         name=name, model=model.name, target=target.name, scheme=scheme.name, scheme_params=scheme.params(),
         scheme_options=dict(scheme.option_values),
