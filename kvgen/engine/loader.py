@@ -72,7 +72,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
                  max_model_len: int | None = None, max_tokens: int | None = None,
                  max_num_batched_tokens: int | None = None, page_size: int | None = None, target: str | None = None,
                  enforce_eager: bool = False, config: dict[str, Any] | None = None, seed: int = 0,
-                 verbose: bool = True) -> LLMEngine:
+                 autotune: bool = True, verbose: bool = True) -> LLMEngine:
     """An engine for the model folder ``model`` (or, with ``config=`` a config.json dict, random weights).
 
     ``kv``: the KV-cache scheme (``bf16``, ``int8``, ``int4``, ... with
@@ -82,6 +82,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     (default: the model's positions, at most the capacity).
     ``max_num_seqs``/``max_num_batched_tokens``: the scheduler's batch
     limits (defaults from the capacity). ``enforce_eager``: no CUDA graphs.
+    ``autotune``: tune eager kernel configs on the GPU (graphs use the kernels' shape defaults).
     """
     from kvgen.integrations.transformers import compile_for_model, plan_for_model
     from kvgen.runtime import default_device
@@ -114,7 +115,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
             max_tokens = plan.capacity_tokens
         else:
             max_tokens = min(plan.capacity_tokens, max((max_model_len or limit) * (max_num_seqs or 4), 16384))
-    cache = package.load(device=dev, max_tokens=max_tokens, autotune=dev.type == "cuda",
+    cache = package.load(device=dev, max_tokens=max_tokens, autotune=autotune and dev.type == "cuda",
                          max_seqs=max_num_seqs or 4)
     capacity = cache.capacity_tokens
     if max_model_len is None:
