@@ -48,11 +48,11 @@ def resolve_dtype(dtype: Any, cfg: ModelConfig, device: torch.device) -> torch.d
 
 def _hf_config(folder: Path | None, cfg: ModelConfig, raw: dict[str, Any] | None):
     """A transformers config object for the planner (it reads the model's shape from one)."""
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import AutoConfig
 
     if folder is not None:
         return AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    conf = PretrainedConfig.from_dict(dict(raw or {}))
+    conf = AutoConfig.for_model(cfg.model_type, **{k: v for k, v in (raw or {}).items() if k != "model_type"})
     conf._name_or_path = f"random-{cfg.model_type}"
     return conf
 

@@ -125,3 +125,20 @@ def test_kvgen_generate_streams_hf_greedy_text(hf, capsys):
     out = capsys.readouterr().out
     ids = hf("Once upon a time", 8)
     assert out == hf.tok.decode(ids, skip_special_tokens=True) + "\n"
+
+
+def test_random_weight_engine_from_a_config():
+    from kvgen.engine.loader import build_engine
+
+    config = dict(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    eng = build_engine(config=config, kv="int8", max_num_seqs=2, verbose=False)
+    assert eng.plan.model == "random-qwen3" and eng.model_config.qk_norm and eng.max_model_len == 64
+    eng.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    eng.add_request("b", [4, 5], SamplingParams(temperature=0.9, max_tokens=2, ignore_eos=True, seed=1))
+    lengths = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                lengths[out.request_id] = len(out.outputs[0].token_ids)
+    assert lengths == {"a": 3, "b": 2} and all_free(eng.cache)
