@@ -1,0 +1,42 @@
+"""The engine's import surface stays light: the CLI and ``from kvgen.engine import LLM`` load no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_imports_do_not_load_torch():
+    code = ("import sys, kvgen.engine.cli\n"
+            "from kvgen.engine import LLM, SamplingParams, EngineError\n"
+            "SamplingParams(temperature=0, stop='x')\n"
+            "heavy = [m for m in ('torch', 'triton', 'transformers') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_generate_parser_wires_run_generate():
+    import argparse
+
+    from kvgen.engine import cli
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    cli.add_generate_parser(sub)
+    args = parser.parse_args(["generate", "--model", "m", "--prompt", "hi", "--kv", "int4", "--temperature", "0.5",
+                              "--seed", "3", "--chat", "--max-tokens", "7"])
+    assert args._run is cli.run_generate
+    assert (args.kv, args.temperature, args.seed, args.chat, args.max_tokens) == ("int4", 0.5, 3, True, 7)
+
+
+def test_unknown_model_folder_is_a_kvgen_error(tmp_path):
+    import pytest
+
+    from kvgen.engine import LLM
+    from kvgen.errors import KvgenError
+
+    with pytest.raises(KvgenError, match="no model folder"):
+        LLM(str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(KvgenError, match="not supported"):
+        LLM(str(tmp_path))
