@@ -9,11 +9,16 @@ the step's metadata (device-to-device copies) before a replay. Rows beyond
 the batch are padding: slot -1 (the cache write skips it) and length 0;
 their outputs are dropped.
 
-A step replays only when it is a pure decode step without page copies or
-conversions (copy-on-write after a fork, residual-page quantization) and in
-a single phase; anything else runs eagerly through the runtime (the same
-model code). Kernel configs are the kernels' shape defaults (graphs fix
-them at capture).
+Schemes with residual pages (int4 keeps the partly filled tail page in the
+compute dtype) convert a page each time one fills, i.e. in most decode
+steps of a large batch; for them each bucket gets a second graph that runs
+page_quantize after each layer's write, over ``b`` static (src, dst) pairs:
+the step's conversions, padded with copies of its first one (converting
+the same page twice writes the same bytes). A step replays when it is a
+pure decode step in a single phase without copy-on-write copies (the first
+step after a fork has them); anything else runs eagerly through the
+runtime (the same model code). Kernel configs are the kernels' shape
+defaults (graphs fix them at capture).
 """
 
 from __future__ import annotations
@@ -50,34 +55,43 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.num_compressed = torch.zeros(n, dtype=torch.int32, device=dev)
         self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.conv_src = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.conv_dst = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.residual = getattr(cache, "residual_tokens", None) is not None
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        variants = [(b, conv) for b in reversed(self.buckets) for conv in ((False, True) if self.residual else (False,))]
         pool = None
-        for i, b in enumerate(reversed(self.buckets)):
+        for i, key in enumerate(variants):
+            b = key[0]
             if verbose:
-                print(f"\rkvgen: capturing decode graphs {i + 1}/{len(self.buckets)} (batch {b})",
+                print(f"\rkvgen: capturing decode graphs {i + 1}/{len(variants)} (batch {b})",
                       end="", file=sys.stderr, flush=True)
-            attend = self._attend(b)
+            attend = self._attend(*key)
             model(self.ids[:b], self.pos[:b], attend)  # warm-up: Triton compiles outside the capture
             torch.cuda.synchronize(dev)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                self.outputs[b] = model(self.ids[:b], self.pos[:b], attend)
+                self.outputs[key] = model(self.ids[:b], self.pos[:b], attend)
             pool = g.pool()
-            self.graphs[b] = g
+            self.graphs[key] = g
         torch.cuda.synchronize(dev)
         if verbose:
             print(file=sys.stderr)
 
-    def _attend(self, b: int):
+    def _attend(self, b: int, convert: bool):
         cache = self.cache
         write, decode = cache.kernels["cache_write"], cache.kernels["decode"]
+        quantize = cache.kernels.get("page_quantize") if convert else None
         slots, tables = self.slots[:b], self.block_tables[:b]
         lens, ncomp = self.seq_lens[:b], self.num_compressed[:b]
+        src, dst = self.conv_src[:b], self.conv_dst[:b]
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pools = cache.pools[layer]
             write.launch(k.contiguous(), v.contiguous(), pools, slots)
+            if quantize is not None:
+                quantize.launch(pools, src, dst)
             out = torch.empty_like(q)
             decode.launch(q.contiguous(), out, pools, tables, lens, ncomp, cache.sm_scale)
             return out
@@ -86,7 +100,9 @@ class DecodeGraphs:
 
     def can_run(self, step: Any) -> bool:
         return (step.is_decode and step.batch <= self.max_batch and step.num_copies == 0
-                and step.num_conversions == 0 and len(step.phases) == 1 and step.max_pages <= self.max_pages)
+                and (step.num_conversions == 0 or self.residual) and step.num_conversions <= step.batch
+                and len(step.phases) == 1
+                and step.max_pages <= self.max_pages)
 
     def run(self, step: Any, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[B, hidden]`` of a decode step (check :meth:`can_run` first)."""
@@ -101,5 +117,14 @@ class DecodeGraphs:
         if b > B:
             self.seq_lens[B:b].zero_()
             self.slots[B:b].fill_(-1)
-        self.graphs[b].replay()
-        return self.outputs[b][:B]
+        M = step.num_conversions
+        if M:
+            src, dst = step.phases[0].conversions
+            self.conv_src[:M].copy_(src)
+            self.conv_dst[:M].copy_(dst)
+            if b > M:
+                self.conv_src[M:b].copy_(src[:1].expand(b - M))
+                self.conv_dst[M:b].copy_(dst[:1].expand(b - M))
+        key = (b, M > 0)
+        self.graphs[key].replay()
+        return self.outputs[key][:B]
