@@ -7,7 +7,7 @@ run:
 
 test:
 	@./scripts/setup.sh test
-	.venv/bin/python -m pytest -q -n 2 -p no:cacheprovider
+	.venv/bin/python -m pytest -q -rs -n 2 -p no:cacheprovider
 
 bench:
 	@./scripts/setup.sh test,bench

@@ -3,8 +3,8 @@
 
     python examples/generate.py [--scheme int8] [--max-new-tokens 64] [--prompt "Once upon a time"]
 
-Loads the stories260K Llama from ``../shared/data/models/stories260K``
-(next to the repository), plans and compiles a kvgen KV cache for it
+Loads the stories260K Llama that ships with the tests
+(``tests/assets/models/stories260K``, see its README for the license), plans and compiles a kvgen KV cache for it
 (``kvgen.integrations.transformers.attach``), and calls a plain
 ``model.generate``. Without a GPU the kernels run on the Triton CPU
 interpreter (set here before anything imports triton): about half a second
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-MODEL = Path(__file__).resolve().parents[1].parent / "shared/data/models/stories260K"
+MODEL = Path(__file__).resolve().parents[1] / "tests" / "assets" / "models" / "stories260K"
 
 
 def main(argv: list[str] | None = None) -> int:

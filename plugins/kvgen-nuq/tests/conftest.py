@@ -9,8 +9,8 @@ import pytest
 if os.environ.get("KVGEN_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-SHARED_DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
-"""``../shared/data`` next to the kvgen checkout this plugin lives in (plugins/kvgen-nuq/tests)."""
+ASSETS = Path(__file__).resolve().parents[3] / "tests" / "assets"
+"""kvgen's vendored test assets (tests/assets of the checkout this plugin lives in; see its README.md)."""
 
 
 @pytest.fixture(autouse=True)
@@ -18,17 +18,19 @@ def _private_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kvgen-nuq-cache"))
 
 
+def _asset(relative: str) -> Path:
+    # The assets ship with the repository: a missing one is a broken checkout, not a reason to skip.
+    path = ASSETS / relative
+    if not path.exists():
+        pytest.fail(f"test asset {path} is missing; it ships with the kvgen repository (tests/assets)")
+    return path
+
+
 @pytest.fixture(scope="session")
 def stories260k() -> Path:
-    path = SHARED_DATA / "models" / "stories260K"
-    if not (path / "config.json").is_file():
-        pytest.skip(f"stories260K not found at {path}")
-    return path
+    return _asset("models/stories260K")
 
 
 @pytest.fixture(scope="session")
 def story_text() -> Path:
-    path = SHARED_DATA / "text" / "tinystories_valid_first22.txt"
-    if not path.is_file():
-        pytest.skip(f"calibration text not found at {path}")
-    return path
+    return _asset("text/tinystories_valid_first22.txt")
