@@ -1,0 +1,180 @@
+"""Engine outputs as OpenAI response bodies and stream chunks (completions and chat; no torch).
+
+:class:`Choices` follows the completions of one HTTP request as outputs
+arrive (choice ``prompt_index * n + completion_index``) and turns each
+update into the text and tokens that are new since the last chunk. While a
+completion runs with stop strings, its last ``max(len(stop)) - 1``
+characters are held back (a stop string may still complete there and the
+engine then cuts it from the text), and text ending in an incomplete UTF-8
+character waits for the next token; the finished text is sent in full.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from .prompts import Prompter
+
+
+@dataclass
+class _State:
+    text: str = ""
+    tokens: int = 0
+    role_sent: bool = False
+    finish_reason: str | None = None
+    num_tokens: int = 0
+
+
+@dataclass
+class Delta:
+    """What is new for one choice: ``text``, ``token_ids`` with their ``logprobs`` entries, ``finish_reason``."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    first: bool
+
+
+class Choices:
+    """The choices of one request, built up from engine outputs; also counts usage."""
+
+    def __init__(self, n: int, stop: list[str] | None, prompt_lengths: list[int]) -> None:
+        self.n = n
+        self.holdback = max((len(s) for s in stop or []), default=1) - 1
+        self.prompt_tokens = sum(prompt_lengths)
+        self.states: dict[int, _State] = {}
+        self.final: dict[int, Any] = {}  # choice index -> finished CompletionOutput
+
+    def update(self, prompt_index: int, out: Any, finished: bool) -> list[Delta]:
+        deltas = []
+        for c in out.outputs:
+            index = prompt_index * self.n + c.index
+            st = self.states.setdefault(index, _State())
+            done = finished or c.finish_reason is not None
+            text = c.text
+            if not text.startswith(st.text):
+                new = ""  # the detokenized prefix changed; do not resend (rare with byte-fallback tokens)
+            elif done:
+                new = text[len(st.text):]
+            else:
+                end = max(len(text) - self.holdback, len(st.text))
+                new = text[len(st.text):end]
+                if new.endswith("\ufffd"):
+                    new = ""
+            ids = c.token_ids[st.tokens:]
+            lps = None if c.logprobs is None else c.logprobs[st.tokens:len(c.token_ids)]
+            reason = (c.finish_reason or "abort") if done else None
+            if not new and not ids and reason is None and st.role_sent:
+                continue
+            deltas.append(Delta(index, new, list(ids), lps, reason if st.finish_reason is None else None,
+                                not st.role_sent))
+            st.role_sent = True
+            st.text += new
+            st.tokens = len(c.token_ids)
+            st.num_tokens = len(c.token_ids)
+            if done and st.finish_reason is None:
+                st.finish_reason = reason
+                self.final[index] = c
+        return deltas
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(s.num_tokens for s in self.states.values())
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def completion_logprobs(prompter: Prompter, ids: list[int], lps: list[dict[int, float]] | None,
+                        offset: int = 0) -> dict[str, Any] | None:
+    """The completions API's logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    if lps is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(ids, lps):
+        s = prompter.token_str(tid)
+        tokens.append(s)
+        token_lps.append(entry.get(tid))
+        tops.append({prompter.token_str(t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(prompter: Prompter, ids: list[int], lps: list[dict[int, float]] | None,
+                  top: int) -> dict[str, Any] | None:
+    """The chat API's logprobs: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    if lps is None:
+        return None
+
+    def item(t: int, lp: float) -> dict[str, Any]:
+        s = prompter.token_str(t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for tid, entry in zip(ids, lps):
+        best = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+        content.append({**item(tid, entry.get(tid, float("-inf"))), "top_logprobs": [item(t, lp) for t, lp in best]})
+    return {"content": content}
+
+
+class Formatter:
+    """Builds the JSON bodies of one request for its endpoint (``chat`` or not)."""
+
+    def __init__(self, chat: bool, model: str, prompter: Prompter, top_logprobs: int) -> None:
+        self.chat = chat
+        self.model = model
+        self.prompter = prompter
+        self.top = top_logprobs
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+        self._offsets: dict[int, int] = {}
+
+    def _logprobs(self, index: int, ids: list[int], lps: list[dict[int, float]] | None) -> Any:
+        if self.chat:
+            return chat_logprobs(self.prompter, ids, lps, self.top)
+        out = completion_logprobs(self.prompter, ids, lps, self._offsets.get(index, 0))
+        if out is not None:
+            self._offsets[index] = self._offsets.get(index, 0) + sum(len(t) for t in out["tokens"])
+        return out
+
+    def chunk(self, deltas: list[Delta], usage: bool) -> dict[str, Any]:
+        choices = []
+        for d in deltas:
+            lp = self._logprobs(d.index, d.token_ids, d.logprobs)
+            if self.chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": d.text} if d.first else (
+                    {"content": d.text} if d.text else {})
+                choices.append({"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason})
+            else:
+                choices.append({"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason})
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices}
+        if usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [], "usage": usage}
+
+    def full(self, choices: Choices) -> dict[str, Any]:
+        items = []
+        for index in sorted(choices.final):
+            c = choices.final[index]
+            lp = self._logprobs(index, list(c.token_ids), c.logprobs)
+            reason = c.finish_reason or "abort"
+            if self.chat:
+                items.append({"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                              "finish_reason": reason})
+            else:
+                items.append({"index": index, "text": c.text, "logprobs": lp, "finish_reason": reason})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": items, "usage": choices.usage()}

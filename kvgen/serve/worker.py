@@ -1,0 +1,297 @@
+"""EngineWorker: the one thread that calls the engine, and the asyncio side that talks to it.
+
+The engine (and the BlockManager under it) is not thread-safe, so every
+engine call happens on the worker's thread: the HTTP handlers, on the event
+loop, only put commands on a queue (``add``, ``abort``, ``call``) and read
+results from per-request asyncio queues. The thread loops: run the queued
+commands, then one ``engine.step()`` if anything is unfinished (else sleep
+until a command arrives), then hand the step's outputs to the event loop in
+one ``call_soon_threadsafe``. A command runs between two steps, so an abort
+frees the request's pages before the next step is planned.
+
+Draining (SIGTERM): :meth:`begin_drain` refuses new requests; requests
+still unfinished at the deadline are aborted (their streams end with finish
+reason ``abort``). A failing step aborts every request, delivers the error
+to each, and stops the worker (``/health`` then reports it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .protocol import ApiError
+
+IDLE_WAIT_S = 0.5
+
+
+@dataclass
+class Stream:
+    """The engine requests of one HTTP request (one per prompt) and the queue their outputs arrive on.
+
+    Items are ``(prompt_index, RequestOutput)``, or an exception when the
+    engine failed. ``finished`` counts the prompts whose last output arrived.
+    """
+
+    request_ids: list[str]
+    queue: asyncio.Queue
+    finished: set[str] = field(default_factory=set)
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.request_ids)
+
+    async def outputs(self):
+        """Yield ``(prompt_index, RequestOutput)`` until every prompt finished; an engine failure is ApiError 500."""
+        while not self.done:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise ApiError(500, f"the engine failed: {type(item).__name__}: {item}", type="internal_error")
+            index, out, finished = item
+            if finished:
+                self.finished.add(self.request_ids[index])
+            yield index, out
+
+
+class EngineWorker:
+    """Runs ``engine`` (an :class:`kvgen.engine.LLMEngine`) on a background thread for an asyncio server.
+
+    ``max_pending``: requests (engine requests, one per prompt) the server
+    holds at most, running and waiting; beyond it :meth:`submit` raises
+    ApiError 429. ``metrics``: a :class:`kvgen.serve.metrics.ServeMetrics`
+    (or None), updated from the worker thread after every step.
+    """
+
+    def __init__(self, engine: Any, *, max_pending: int, metrics: Any = None) -> None:
+        self.engine = engine
+        self.max_pending = max_pending
+        self.metrics = metrics
+        self.error: BaseException | None = None
+        self.draining = False
+        self._deadline: float | None = None
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._sinks: dict[str, tuple[Stream, int]] = {}  # worker thread only
+        self._streams: set[int] = set()  # live streams (event loop only): ids of Stream objects
+        self._pending = 0  # engine requests submitted and not yet closed (event loop only)
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- life cycle (event loop) ----------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvgen-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort whatever is left, stop the thread and wait for it (at most ``timeout`` seconds)."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def begin_drain(self, timeout: float) -> None:
+        """Refuse new requests from now on; abort the unfinished ones after ``timeout`` seconds.
+
+        Safe to call from a signal handler (it only sets fields and an event).
+        """
+        if not self.draining:
+            self.draining = True
+            self._deadline = time.monotonic() + timeout
+            self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    # -- requests (event loop) -------------------------------------------------------------
+    async def submit(self, prompts: Sequence[list[int]], params: Any, arrival: float) -> Stream:
+        """Queue one engine request per prompt (token ids) with ``params``; their outputs arrive on the Stream.
+
+        Raises ApiError 503 while draining or after an engine failure, 429
+        when ``max_pending`` would be exceeded, 400 for what the engine refuses.
+        """
+        if self.draining or not self.alive:
+            raise ApiError(503, "the server is shutting down" if self.draining else "the engine has failed",
+                           type="service_unavailable", headers={"Retry-After": "5"})
+        if self._pending + len(prompts) > self.max_pending:
+            raise ApiError(429, f"the server already holds {self._pending} requests (limit {self.max_pending}); "
+                                f"retry later", type="rate_limit_exceeded", headers={"Retry-After": "1"})
+        base = f"r{next(self._ids)}"
+        stream = Stream([f"{base}-{i}" for i in range(len(prompts))], asyncio.Queue())
+        self._pending += len(prompts)
+        self._streams.add(id(stream))
+        try:
+            await self.call(lambda: self._add(stream, prompts, params, arrival))
+        except BaseException:
+            self.close(stream)
+            raise
+        return stream
+
+    def close(self, stream: Stream) -> None:
+        """The handler is done with ``stream``: abort what is unfinished (client gone, error) and free its slots."""
+        if id(stream) not in self._streams:
+            return
+        self._streams.discard(id(stream))
+        self._pending -= len(stream.request_ids)
+        unfinished = [r for r in stream.request_ids if r not in stream.finished]
+        if unfinished:
+            self._put(lambda: self._abort(unfinished))
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` on the worker thread between two steps; returns its result (or raises its error)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller
+                loop.call_soon_threadsafe(_settle, fut, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, fut, result, None)
+
+        if not self.alive:
+            raise ApiError(503, "the engine is not running", type="service_unavailable",
+                           headers={"Retry-After": "5"})
+        self._put(run)
+        return await fut
+
+    def _put(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # -- worker thread ----------------------------------------------------------------------
+    def _add(self, stream: Stream, prompts: Sequence[list[int]], params: Any, arrival: float) -> None:
+        from kvgen.errors import KvgenError
+
+        added = []
+        try:
+            for i, (rid, ids) in enumerate(zip(stream.request_ids, prompts)):
+                self.engine.add_request(rid, ids, params, arrival_time=arrival)
+                self._sinks[rid] = (stream, i)
+                added.append(rid)
+        except KvgenError as e:
+            self._abort(added)
+            raise ApiError(400, str(e)) from None
+        except BaseException:
+            self._abort(added)
+            raise
+
+    def _abort(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            if self._sinks.pop(rid, None) is not None:
+                self.engine.abort_request(rid)
+                if self.metrics is not None:
+                    self.metrics.aborted(rid)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while True:
+                self._run_commands()
+                if self._stop:
+                    self._abort(list(self._sinks))
+                    return
+                if self._deadline is not None and time.monotonic() >= self._deadline and self._sinks:
+                    self._abort_all("the server is shutting down; the drain timeout passed")
+                if not eng.has_unfinished_requests():
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                before = eng.num_steps
+                outs = eng.step()
+                self._deliver(outs)
+                if self.metrics is not None:
+                    self.metrics.after_step(eng, outs)
+                if eng.num_steps == before and not outs:
+                    self._wake.wait(0.01)  # nothing could be scheduled: do not spin
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 -- reported to every request and /health
+            traceback.print_exc()
+            self.error = e
+            self._fail_all(e)
+
+    def _abort_all(self, reason: str) -> None:
+        """Abort every request; each stream gets its last output (finish reason ``abort``)."""
+        outs = []
+        for rid in list(self._sinks):
+            req = self.engine.requests.get(rid)
+            self.engine.abort_request(rid)
+            if req is not None:
+                outs.append(self.engine.output_of(req))
+        self._deliver(outs, force_finished=True)
+        if self.metrics is not None:
+            self.metrics.after_step(self.engine, outs)
+
+    def _fail_all(self, error: BaseException) -> None:
+        items = []
+        for rid, (stream, _) in list(self._sinks.items()):
+            try:
+                self.engine.abort_request(rid)
+            except BaseException:  # noqa: BLE001 -- the engine is already broken; the pages die with it
+                pass
+            items.append((stream.queue, error))
+        self._sinks.clear()
+        if self._loop is not None and items:
+            self._loop.call_soon_threadsafe(_put_all, items)
+
+    def _deliver(self, outs: Sequence[Any], force_finished: bool = False) -> None:
+        items = []
+        for out in outs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue  # aborted by its client already
+            stream, index = sink
+            finished = out.finished or force_finished
+            if finished:
+                del self._sinks[out.request_id]
+            items.append((stream.queue, (index, out, finished)))
+        if items and self._loop is not None:
+            self._loop.call_soon_threadsafe(_put_all, items)
+
+    # -- introspection (worker thread, through call()) -------------------------------------
+    def kv_pages(self) -> dict[str, int]:
+        """Pages of the cache in use and free (all pools together); call on the worker thread."""
+        return kv_pages(self.engine.cache)
+
+
+def kv_pages(cache: Any) -> dict[str, int]:
+    """``{"total", "free", "used", "sequences"}`` of ``cache``'s page pools (the BlockManager's counts)."""
+    from kvgen.runtime.block_manager import COMPRESSED, RESIDUAL
+
+    bm = cache.block_manager
+    total = cache.num_pages + cache.num_residual_pages
+    free = bm.num_free_pages(COMPRESSED) + (bm.num_free_pages(RESIDUAL) if cache.num_residual_pages else 0)
+    return {"total": total, "free": free, "used": total - free, "sequences": len(cache.sequences())}
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.cancelled():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)

@@ -1,0 +1,108 @@
+"""Shared pieces of the server tests: an engine with a stand-in model on a real KVCache, and a server thread.
+
+The stand-in (``engine.helpers.TableRunner``: next token = a table row of
+the last token) lets load tests run hundreds of requests: the interpreter
+would take about a second of CPU per sequence and step with the real
+stories260K. The KV cache underneath is the real runtime, so every page a
+request reserves, forks, preempts or frees goes through the BlockManager.
+Tests that compare outputs with ``LLM.generate`` use the real model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from engine.helpers import STORIES, TableRunner, all_free, stories_cache  # noqa: F401 -- re-exported
+
+from kvgen.serve.app import build_app
+from kvgen.serve.server import bind, make_server
+
+MODEL = "stories"
+
+
+class SlowTableRunner(TableRunner):
+    """TableRunner whose every step takes ``delay`` seconds (so requests stay running while a test acts)."""
+
+    def __init__(self, delay: float, vocab: int = 512) -> None:
+        super().__init__(vocab=vocab)
+        self.delay = delay
+
+    def run(self, step, input_ids, positions, sample_rows):
+        time.sleep(self.delay)
+        return super().run(step, input_ids, positions, sample_rows)
+
+
+def table_engine(*, delay: float = 0.0, max_num_seqs: int = 16, max_tokens: int = 4096, max_model_len: int = 256):
+    """An LLMEngine with the stories260K tokenizer, a stand-in model (vocab 512) and a real fp32 KVCache."""
+    from transformers import AutoTokenizer
+
+    from kvgen.engine.engine import LLMEngine
+
+    cache = stories_cache(max_tokens, max_seqs=max_num_seqs)
+    tok = AutoTokenizer.from_pretrained(STORIES)
+    return LLMEngine(SlowTableRunner(delay), cache, tok, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=256, eos_token_ids=(), vocab_size=512)
+
+
+class ServerThread:
+    """``kvgen serve``'s app on 127.0.0.1 (a free port) in a thread of this process; a context manager.
+
+    Leaving it drains and stops the server as SIGTERM would; ``summary`` is
+    then what the engine held at shutdown (requests, pages used, sequences).
+    """
+
+    def __init__(self, engine, drain_timeout: float = 10.0, **app_kwargs) -> None:
+        self.engine = engine
+        self.app = build_app(engine, model_name=MODEL, drain_timeout=drain_timeout, **app_kwargs)
+        self.server = make_server(self.app, drain_timeout=drain_timeout)
+        self.sock = bind("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.url = self.base + "/v1"
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def worker(self):
+        return self.app.state.serve.worker
+
+    @property
+    def summary(self):
+        return self.app.state.serve.stopped_summary
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.request_exit()
+        self.thread.join(60)
+
+    def on_engine(self, fn):
+        """``fn()`` run on the engine thread (the only one that may touch the engine); returns its result."""
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(self.worker.call(fn), self.worker._loop).result(60)
+
+    def pages(self) -> dict:
+        """The cache's page counts (BlockManager), read on the engine thread."""
+        from kvgen.serve.worker import kv_pages
+
+        return self.on_engine(lambda: kv_pages(self.engine.cache))
+
+    def all_free(self) -> bool:
+        """No sequence in the cache and every page of every pool free (read on the engine thread)."""
+        return self.on_engine(lambda: all_free(self.engine.cache))
+
+
+def metric(text: str, name: str) -> float:
+    """The value of the sample ``name`` (with labels, as printed) in a Prometheus text page."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise KeyError(name)
