@@ -6,6 +6,14 @@ Layout (per page and KV head, contiguous, in the scheme's dtype)::
 
 ``quantize_page`` is a cast; ``dequantize_page`` casts back to float32.
 Tokens are written straight into their page (no residual window).
+
+Numerics (the same for every scheme; see ``tests/kernels/test_numerics.py``):
+pages hold what was written, and attention is IEEE arithmetic, as SDPA: a NaN
+in K or V makes every query attending it NaN; an Inf in V gives Inf/NaN; an
+Inf in K gives a NaN output, or, where its score is -inf, weight 0 (the one
+case where a non-finite input leaves the output finite, as in SDPA). A cast
+to a narrower page dtype (fp16 pages under float32 compute) turns values
+past its range into Inf.
 """
 
 from __future__ import annotations

@@ -19,6 +19,12 @@ kernels decode them with integer arithmetic: no float8 type reaches Triton,
 the scheme runs on every GPU arch (``min_arch = 0``) and in the CPU
 interpreter. Per-token scales fold out of the dots as in int8. No residual
 window (``residual_tokens = None``). Storage: 2*D + 8 bytes per token and KV head.
+
+Numerics (the same for every scheme; see ``tests/kernels/test_numerics.py``):
+as int8, a token holding a NaN or an Inf stores scale NaN and reads back as
+NaN (every query attending it gets a NaN output, as over a float page);
+finite input never gives NaN/Inf (with bfloat16 compute the dots run in
+float16, so there q and a token's |V| must stay below 65504).
 """
 
 from __future__ import annotations

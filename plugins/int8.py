@@ -19,6 +19,13 @@ arrives, no residual window: ``residual_tokens = None``), and they sit on
 the attention dots' contraction axis, so the kernels fold them out of the
 inner loop: scores = (q . k_codes) * k_scale, acc += (p * v_scale) . v_codes.
 Storage: 2*D + 8 bytes per token and KV head (K and V).
+
+Numerics (the same for every scheme; see ``tests/kernels/test_numerics.py``):
+a token holding a NaN or an Inf stores scale NaN, so it reads back as NaN and
+every query attending it gets a NaN output, as over a float page; finite
+input never gives NaN/Inf (float32 scales, codes in [-127, 127]). With
+bfloat16 compute the 16-bit dots run in float16, so there q and a token's
+|V| must stay below 65504.
 """
 
 from __future__ import annotations

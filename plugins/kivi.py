@@ -24,7 +24,24 @@ both stored as float16 (codes are computed against the float16-rounded
 values, so the error bound is ``scale / 2`` plus float16 rounding of
 ``zero``). A group with no range (constant, or a range that underflows in
 float16) stores ``scale = 0`` and codes 0, and dequantizes to ``zero``.
-Values above the float16 range (|x| > 65504) are not supported.
+
+Numerics (the same for every scheme; see ``tests/kernels/test_numerics.py``):
+
+- Finite K/V never give NaN/Inf. Inputs are clamped to +-``FP16_LIMIT``
+  (65440: float16's 65504 less two top ulps; only float32/bfloat16 compute
+  can hold more, and such values saturate), and the scale is capped (rounded
+  toward zero) so that ``zero + levels * scale <= 65440`` and ``C * scale <=
+  65504`` with ``C = 2**bits / 2``. The float16 decode path dequantizes
+  ``(code - C) * scale + (zero + C * scale)``, whose every intermediate then
+  stays finite for any channel range (``code * scale + zero`` overflowed
+  once a range passed 65504). The cap only binds for groups reaching the
+  limit.
+- Non-finite K/V propagate: a NaN or an Inf stores its group's scale as NaN
+  (the key channel of its page, or its token's value group), so it reads
+  back as NaN and every query attending that page (keys) or token (values)
+  gets a NaN output, as over a float page. Its codes and zero are those of
+  the group with the non-finite entries taken as 0. Tokens still in the
+  residual pool are float pages (IEEE arithmetic, as SDPA).
 
 Layout per (page, KV head); ``F = 8 // bits`` codes per byte (2 for int4, 4
 for int2), ``G = gcd(32, D)`` value group (32 for D = 64, 96, 128, 256; 16

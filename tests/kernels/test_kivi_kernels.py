@@ -5,7 +5,9 @@
   including head dims whose value group is not 32 (D = 80 -> 16, D = 8 -> 8)
   and pages with no range (scale 0, never a division by zero);
 - dequant (``load_page``) matches ``dequantize_page``;
-- decode at D = 80, which the shared matrix's head dims skip.
+- decode at D = 80, which the shared matrix's head dims skip;
+- page_quantize at float16's limit and on NaN/Inf input (tests/kernels/test_numerics.py
+  has the attention-level contract).
 """
 
 from __future__ import annotations
@@ -64,6 +66,52 @@ def test_page_quantize_matches_reference_bit_for_bit(name, head_dim, page, dtype
     for n in ref:
         for untouched in (2, 3):
             assert torch.equal(pools[n][untouched].cpu().view(torch.uint8), before[n][untouched].view(torch.uint8)), n
+
+
+def _extreme_pages(H: int, P: int, D: int, dtype: torch.dtype, seed: int):
+    """Pages at float16's limit (issue 13, item 7): channel ranges past 65504, +-65504 entries, NaN and Inf."""
+    gen = torch.Generator().manual_seed(seed)
+    k = (torch.randn(3, H, P, D, generator=gen) * 30000).clamp(-65504, 65504)
+    v = (torch.randn(3, H, P, D, generator=gen) * 30000).clamp(-65504, 65504)
+    k[0, :, ::2, 0], k[0, :, 1::2, 0] = 65504.0, -65504.0      # range 131008 in channel 0
+    k[0, :, :, 1] = 65504.0                                    # a constant channel at the limit
+    v[0, :, 2, :] = -65504.0
+    k[1, 0, 3, 5] = float("nan")                               # page 1: NaN key (head 0), Inf value (head 1)
+    v[1, 1 % H, 4, 6] = float("inf")
+    k[2, 1 % H, 7, 2] = float("-inf")                          # page 2: -Inf key, NaN value
+    v[2, 0, 1, 0] = float("nan")
+    return k.to(dtype), v.to(dtype)
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal elementwise, NaN equal to NaN (NaN payloads may differ between torch and the kernels)."""
+    g, w = got.float(), want.float()
+    return torch.equal(g.isnan(), w.isnan()) and torch.equal(torch.nan_to_num(g), torch.nan_to_num(w))
+
+
+@pytest.mark.parametrize("name", KIVI)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_page_quantize_extremes_match_reference(name, dtype):
+    # The kernel's store_page and the reference clamp, cap and mark non-finite groups alike: codes bit for bit,
+    # scales/zeros equal (NaN where a group held a NaN or an Inf), every dequantized value finite elsewhere and
+    # within float16's range.
+    s, H, P, D, dt, dev = hz.get_scheme(name), 2, 16, 64, hz.as_dtype(dtype), hz.device()
+    k, v = _extreme_pages(H, P, D, dt, seed=11)
+    pools = allocate_pool(hz.pool_descriptions(s, D, P), 3, H, dt, "cpu", poison=True)
+    pools.update(allocate_pool(hz.residual_descriptions(D, P), 3, H, dt, "cpu", poison=True))
+    pools["rk"][:], pools["rv"][:] = k, v
+    pools = {n: t.to(dev) for n, t in pools.items()}
+    pages = torch.arange(3, dtype=torch.int32, device=dev)
+    hz.load_op("page_quantize", s, D, H, 4, P, dt, dev=dev).launch(pools, pages, pages)
+    for i in range(3):
+        ref = s.quantize_page(k[i].float(), v[i].float())
+        for n, t in ref.items():
+            assert _same(pools[n][i].cpu(), t), f"page {i} {n}: kernel and reference differ"
+        dk, dv = s.dequantize_page(ref, D)
+        for x, raw, what in ((dk, k[i], "K"), (dv, v[i], "V")):
+            ok = ~x.isnan()
+            assert torch.isfinite(x[ok]).all() and x[ok].abs().max() <= 65504, f"page {i} {what} out of float16 range"
+            assert torch.isfinite(raw).all() == ok.all(), f"page {i} {what}: NaN marks do not match the input"
 
 
 @pytest.mark.parametrize("name", KIVI)

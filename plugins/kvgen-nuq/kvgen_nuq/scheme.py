@@ -69,6 +69,16 @@ Values, per token, groups of ``G = gcd(32, D)`` channels: ``v ~= code *
 scale + zero``, ``zero`` the group minimum, ``scale = (max - min) / 15``
 (float16), round half up, exactly KIVI int4's value format.
 
+Numerics (the same for every scheme; see kvgen's tests/kernels/test_numerics.py):
+finite K/V never give NaN/Inf: inputs are clamped to +-``FP16_LIMIT`` (65440,
+float16's 65504 less two top ulps; only float32/bfloat16 compute hold more,
+and it saturates) and the key scale is capped so that ``|level| * scale +
+|zero|`` stays within it. Non-finite K/V propagate: a token whose key holds a
+NaN or an Inf stores its first outlier value as NaN, a value group holding
+one stores its scale as NaN, so the token reads back as NaN and every query
+attending it gets a NaN output, as over a float page (codes, scales and
+zeros are otherwise those of the input with the non-finite entries taken as 0).
+
 Layout per (page, KV head), ``P`` tokens, ``D`` channels, codes packed two
 per byte (channel ``2j`` in bits 3..0, ``2j+1`` in bits 7..4 of byte ``j``)::
 
@@ -151,10 +161,36 @@ def unpack4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 15, b >> 4], -1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
+FP16_LIMIT = 65440.0
+"""Largest magnitude nuq4 stores; K/V beyond it saturate. Scales, zeros and outliers are float16: with
+inputs within 65504 less two top ulps, and the key scale capped so that ``|level| * scale + |zero|``
+stays within it, every dequantized value is finite in float16, roundings included (KIVI's limit too)."""
+
+
+def _finite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x with NaN/Inf set to 0 and clamped to +-FP16_LIMIT, x * 0)``; the macros do the same.
+
+    ``x * 0`` summed over a group is 0, or NaN when the group holds a NaN or an Inf:
+    the marker that turns the group's stored scale (or outlier) NaN."""
+    zeros = x * 0
+    return torch.where(zeros == 0, x, zeros.new_zeros(())).clamp(-FP16_LIMIT, FP16_LIMIT), zeros
+
+
+def _half_toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """Float32 ``x >= 0`` as the float16 nearest it from below (as store_page in nuq4.j2)."""
+    h = x.to(torch.float16)
+    below = (h.view(torch.int16) - 1).view(torch.float16)
+    return torch.where(h.float() > x, below, h)
+
+
 def quantize_values(v: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Uniform asymmetric 4-bit codes of float32 ``v`` ``[..., D]`` per group of ``group`` channels:
-    ``(codes int64 [..., D], scale fp16 [..., D/group], zero fp16 [..., D/group])``."""
-    g = v.reshape(*v.shape[:-1], v.shape[-1] // group, group)
+    ``(codes int64 [..., D], scale fp16 [..., D/group], zero fp16 [..., D/group])``.
+
+    Inputs are clamped to +-``FP16_LIMIT``; a group holding a NaN or an Inf gets scale NaN (its
+    codes and zero those of the group with the non-finite entries set to 0)."""
+    g, zeros = _finite(v.reshape(*v.shape[:-1], v.shape[-1] // group, group))
+    bad = zeros.sum(-1, keepdim=True)
     mn = g.amin(-1, keepdim=True)
     scale = ((g.amax(-1, keepdim=True) - mn) / 15.0).to(torch.float16)
     zero = mn.to(torch.float16)
@@ -163,7 +199,7 @@ def quantize_values(v: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     # floor(y + 0.5), not torch.round: the kernel rounds half up, and codes must match bit for bit.
     code = torch.floor((g - z) / torch.where(ok, s, torch.ones_like(s)) + 0.5).clamp_(0, 15)
     code = torch.where(ok, code, torch.zeros_like(code)).long()
-    return code.reshape(v.shape), scale.squeeze(-1), zero.squeeze(-1)
+    return code.reshape(v.shape), (scale + bad.to(torch.float16)).squeeze(-1), zero.squeeze(-1)
 
 
 def codebook_path(spec: str | None = None):
@@ -301,19 +337,26 @@ class Nuq4(Scheme):
     # -- reference ---------------------------------------------------------
     def quantize_page(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         h, page, d = k.shape
-        k = k.float()
+        # Non-finite keys: the token's first outlier value becomes NaN, so that token reads back NaN.
+        k, zeros = _finite(k.float())
         no = outliers_per_token(d)
         oidx, oval, mask = split_outliers(k, no)
+        oval = oval.to(torch.float16)
+        oval[..., 0] += zeros.sum(-1).to(torch.float16)
         scale, zero = channel_range(k, mask)
+        cb = self.codebook(page)
+        # every dequantized key, level * scale + zero, stays within FP16_LIMIT (levels may pass +-1)
+        cap = ((FP16_LIMIT - zero.float().abs()) / cb.abs().max()).clamp(max=65504.0)
+        scale = torch.minimum(scale, _half_toward_zero(cap))
         x = normalize(k, scale, zero)
-        codes = torch.where(scale.unsqueeze(-2) > 0, encode(x, self.codebook(page)), 0)
+        codes = torch.where(scale.unsqueeze(-2) > 0, encode(x, cb), 0)
         vc, vs, vz = quantize_values(v.float(), value_group(d))
         return {
             "k": pack4(codes),
             "k_scale": scale,
             "k_zero": zero,
             "k_oidx": oidx.to(torch.uint8),
-            "k_oval": oval.to(torch.float16),
+            "k_oval": oval,
             "v": pack4(vc),
             "v_scale": vs,
             "v_zero": vz,
