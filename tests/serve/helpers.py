@@ -21,11 +21,21 @@ from kvgen.serve.server import bind, make_server
 MODEL = "stories"
 
 
+FIRST_PIECE = 259
+"""stories260K's ids below this are specials and byte-fallback tokens (<0x00>..<0xFF>)."""
+
+
 class SlowTableRunner(TableRunner):
-    """TableRunner whose every step takes ``delay`` seconds (so requests stay running while a test acts)."""
+    """TableRunner whose every step takes ``delay`` seconds (so requests stay running while a test acts).
+
+    It never emits specials or byte tokens: random byte runs are invalid
+    UTF-8, whose decoding changes as bytes arrive (a real model's bytes form
+    characters); the server streams text exactly for valid UTF-8.
+    """
 
     def __init__(self, delay: float, vocab: int = 512) -> None:
         super().__init__(vocab=vocab)
+        self.table[:, :FIRST_PIECE] -= 1e4
         self.delay = delay
 
     def run(self, step, input_ids, positions, sample_rows):

@@ -1,0 +1,120 @@
+"""kvgen serve with the real stories260K (fp32, kernels in the Triton interpreter).
+
+Greedy outputs through the ``openai`` client (completions and chat,
+streaming and not) equal ``LLM.generate`` on the same engine token for
+token; ``python -m kvgen.serve`` (the ``kvgen serve`` command) drains on
+SIGTERM under load and exits 0 with no request or page left. Sizes are
+small: an interpreted step costs about a second of CPU per sequence here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("transformers")
+
+from .helpers import MODEL, STORIES, ServerThread  # noqa: E402
+
+TOKENS = 6
+PROMPT = "Once upon a time"
+CHAT = [{"role": "user", "content": "Tell me a story about a dog."}]
+
+
+def test_openai_client_greedy_equals_llm_generate():
+    from kvgen.engine import SamplingParams
+    from kvgen.engine.llm import LLM
+
+    llm = LLM(str(STORIES), kv="fp32", max_tokens=2048, max_num_seqs=4, verbose=False)
+    tok = llm.get_tokenizer()
+    # the server's fallback chat template for a model without one: BOS, "role: content" lines, "assistant:"
+    chat_ids = list(tok("user: Tell me a story about a dog.\nassistant:").input_ids)
+    params = SamplingParams(temperature=0, max_tokens=TOKENS)
+    ref_text, ref_chat = llm.generate([PROMPT, chat_ids], params)
+    assert len(ref_text.outputs[0].token_ids) == TOKENS and ref_text.outputs[0].text
+    with ServerThread(llm.engine) as s:
+        c = openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=300)
+        whole = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS, temperature=0)
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=TOKENS, temperature=0, stream=True))
+        chat = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=TOKENS, temperature=0)
+        chat_streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=TOKENS, temperature=0, stream=True))
+        assert s.all_free()
+    assert whole.choices[0].text == streamed == ref_text.outputs[0].text
+    assert whole.usage.completion_tokens == TOKENS and whole.usage.prompt_tokens == len(ref_text.prompt_token_ids)
+    assert chat.choices[0].message.content == chat_streamed == ref_chat.outputs[0].text
+    assert chat.usage.prompt_tokens == len(chat_ids)
+    assert s.summary == {"requests": 0, "pages_used": 0, "sequences": 0}
+
+
+def _read_port(proc: subprocess.Popen, lines: list[str], timeout: float) -> int:
+    """Read stderr until 'listening on http://host:PORT' (keeping every line), or fail."""
+    found: list[int] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            m = re.search(r"listening on http://[^ ]+:(\d+)", line)
+            if m and not found:
+                found.append(int(m.group(1)))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    assert ready.wait(timeout) and found, "".join(lines)
+    return found[0]
+
+
+def test_sigterm_under_load_drains_and_exits_0(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "kvgen.serve", "--model", str(STORIES), "--kv", "fp32", "--port", "0",
+           "--max-num-seqs", "4", "--cache-tokens", "2048", "--drain-timeout", "3", "--served-model-name", MODEL]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    lines: list[str] = []
+    try:
+        port = _read_port(proc, lines, 180)
+        url = f"http://127.0.0.1:{port}/v1"
+        results: list[tuple[str, str | None, bool]] = []
+        first = threading.Barrier(4)
+
+        def client(i: int) -> None:
+            c = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=300)
+            text, reason, saw_first = "", None, False
+            for ch in c.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=150, temperature=0,
+                                           stream=True):
+                text += ch.choices[0].text
+                reason = ch.choices[0].finish_reason or reason
+                if not saw_first:
+                    saw_first = True
+                    first.wait(300)
+            results.append((text, reason, saw_first))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        first.wait(300)  # every stream is running
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises((httpx.ConnectError, httpx.RemoteProtocolError)):
+            httpx.post(url + "/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}, timeout=30)
+        for t in threads:
+            t.join(120)
+        assert proc.wait(120) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert len(results) == 3 and all(saw and reason == "abort" for _, reason, saw in results), results
+    assert any("0 requests left, 0 of" in ln and "KV pages in use, 0 sequences" in ln for ln in lines), "".join(lines)
