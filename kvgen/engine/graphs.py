@@ -42,7 +42,9 @@ def buckets_for(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode graphs over ``model`` and ``cache`` (a KVCache on a CUDA device)."""
 
-    def __init__(self, model: CausalLM, cache: Any, max_batch: int, max_model_len: int, *, verbose: bool = True) -> None:
+    def __init__(self, model: CausalLM, cache: Any, max_batch: int, max_model_len: int, *, verbose: bool = True,
+                 capture: bool = True) -> None:
+        """``capture=False`` runs the same static-buffer steps eagerly (any device): tests of the graph path."""
         self.model, self.cache = model, cache
         dev = cache.device
         self.buckets = buckets_for(max_batch)
@@ -60,7 +62,10 @@ class DecodeGraphs:
         self.residual = getattr(cache, "residual_tokens", None) is not None
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
-        variants = [(b, conv) for b in reversed(self.buckets) for conv in ((False, True) if self.residual else (False,))]
+        self.capture = capture
+        self.converted_steps = 0
+        kinds = (False, True) if self.residual else (False,)
+        variants = [(b, conv) for b in reversed(self.buckets) for conv in kinds] if capture else []
         pool = None
         for i, key in enumerate(variants):
             b = key[0]
@@ -75,8 +80,9 @@ class DecodeGraphs:
                 self.outputs[key] = model(self.ids[:b], self.pos[:b], attend)
             pool = g.pool()
             self.graphs[key] = g
-        torch.cuda.synchronize(dev)
-        if verbose:
+        if capture:
+            torch.cuda.synchronize(dev)
+        if verbose and capture:
             print(file=sys.stderr)
 
     def _attend(self, b: int, convert: bool):
@@ -119,6 +125,7 @@ class DecodeGraphs:
             self.slots[B:b].fill_(-1)
         M = step.num_conversions
         if M:
+            self.converted_steps += 1
             src, dst = step.phases[0].conversions
             self.conv_src[:M].copy_(src)
             self.conv_dst[:M].copy_(dst)
@@ -126,5 +133,7 @@ class DecodeGraphs:
                 self.conv_src[M:b].copy_(src[:1].expand(b - M))
                 self.conv_dst[M:b].copy_(dst[:1].expand(b - M))
         key = (b, M > 0)
+        if not self.capture:
+            return self.model(self.ids[:b], self.pos[:b], self._attend(*key))[:B]
         self.graphs[key].replay()
         return self.outputs[key][:B]
