@@ -8,6 +8,9 @@
 # from the ordinary package index (some machines, this project's among them,
 # serve the CPU build there from local disk). With a GPU, pip's default build.
 #
+# -qq: pip 26 prints setuptools' informational notes ("Editable installation") at -q;
+# errors still show.
+#
 # Re-running is cheap: a stamp in .venv records what was installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,17 +32,17 @@ if [ -f "$stamp" ]; then
   exit 0
 fi
 echo "setup: installing kvgen[$extras] into .venv (once; a few minutes)" >&2
-pip install -q --upgrade pip
+pip install -qq --upgrade pip
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    pip install -q "torch>=2.11,<3"
-  elif ! pip install -q --timeout 5 --retries 0 --index-url "$torch_cpu_index" "$torch_cpu" 2>/dev/null; then
+    pip install -qq "torch>=2.11,<3"
+  elif ! pip install -qq --timeout 5 --retries 0 --index-url "$torch_cpu_index" "$torch_cpu" 2>/dev/null; then
     echo "setup: PyTorch's CPU wheel index did not answer; $torch_cpu from the package index" >&2
-    pip install -q "$torch_cpu"
+    pip install -qq "$torch_cpu"
   fi
 fi
-pip install -q -e ".[${extras}]"
+pip install -qq -e ".[${extras}]"
 if [ -d plugins/kvgen-nuq ]; then
-  pip install -q --no-deps -e plugins/kvgen-nuq
+  pip install -qq --no-deps -e plugins/kvgen-nuq
 fi
 touch "$stamp"

@@ -155,7 +155,7 @@ def test_setup_without_gpu_takes_the_cpu_build_from_pytorchs_index(setup_tree):
     (torch,) = _torch_installs(calls)
     assert "--index-url https://download.pytorch.org/whl/cpu" in torch and "torch==2.13.0" in torch
     assert "--timeout 5" in torch and "--retries 0" in torch  # an index that does not answer costs seconds
-    assert all(" -q" in f" {c}" for c in calls if c.startswith("-m pip install"))
+    assert all(" -qq " in f" {c} " for c in calls if c.startswith("-m pip install"))  # quiet
     assert any('-e .[test]' in c for c in calls)
     # A second run finds its stamp and installs nothing.
     _, again = _run_setup(tree, bin_dir)
@@ -167,7 +167,7 @@ def test_setup_without_gpu_falls_back_to_the_package_index(setup_tree):
     proc, calls = _run_setup(tree, bin_dir, INDEX_DOWN="1")
     first, second = _torch_installs(calls)
     assert "--index-url" in first
-    assert second == "-m pip install -q torch==2.13.0"  # the CPU build, never an unpinned (CUDA) torch
+    assert second == "-m pip install -qq torch==2.13.0"  # the CPU build, never an unpinned (CUDA) torch
     assert "did not answer" in proc.stderr
 
 
