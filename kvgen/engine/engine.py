@@ -81,6 +81,9 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise EngineError(f"the prompt has {len(ids)} tokens, max_model_len is {self.max_model_len}; "
                               f"shorten it or raise max_model_len")
+        if params.n > self.scheduler.max_num_seqs:
+            raise EngineError(f"n={params.n} completions exceed max_num_seqs={self.scheduler.max_num_seqs}; "
+                              f"lower n or raise max_num_seqs")
         req = Request(request_id, text, ids, params, time.perf_counter() if arrival_time is None else arrival_time)
         self._seed(req.seqs[0])
         self.requests[request_id] = req

@@ -150,7 +150,10 @@ class Scheduler:
                 toks = [s.tokens[s.num_computed:s.num_computed + n] for s, n in zip(seqs, counts)]
                 step = self.cache.plan_step([s.seq_id for s in seqs], counts, token_ids=toks)
             except self._out_of_pages:
-                if admitted:
+                if admitted and len(self.running) == len(admitted) == 1:
+                    self.remove(admitted[0])  # alone and still too big: finish it rather than loop forever
+                    self.truncated.append(admitted[0])
+                elif admitted:
                     admit_limit = len(admitted) - 1
                     for seq in reversed(admitted):
                         self._send_back(seq)

@@ -115,6 +115,8 @@ def test_max_model_len_and_bad_requests():
     eng.add_request("x", list(range(15)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     out = run_all(eng)["x"].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5
+    with pytest.raises(EngineError, match="max_num_seqs"):
+        eng.add_request(None, [1, 2], SamplingParams(n=9))
     with pytest.raises(EngineError):
         SamplingParams(top_p=0)
 
