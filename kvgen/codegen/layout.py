@@ -63,6 +63,10 @@ class LayoutContext:
         """Kernel parameters for this pool's tensors, comma-joined."""
         return ", ".join(self.t[n].ptr for n in self.tensor_order)
 
+    def ptr_args_typed(self, ctype: str) -> str:
+        """C parameter declarations for this pool's tensors: ``const void* k_ptr, const void* v_ptr``."""
+        return ", ".join(f"{ctype} {self.t[n].ptr}" for n in self.tensor_order)
+
 
 def _tensor_layouts(tensors: tuple[PageTensor, ...], compute_dtype: str, prefix: str,
                     head_dim: int, page_size: int) -> dict[str, TensorLayout]:

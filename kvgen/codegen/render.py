@@ -1,4 +1,4 @@
-"""Render one KernelSpec into Triton source through the Jinja templates.
+"""Render one KernelSpec into kernel source (Triton, or CUDA C++ plus its Python module) through Jinja.
 
 Templates are found through package resources (``kvgen_templates``) and the
 directories plugins register with ``kvgen_register_templates``; undefined
@@ -74,12 +74,24 @@ def layouts(spec: KernelSpec, scheme: Scheme) -> tuple[LayoutContext, LayoutCont
     return scheme_layout(scheme, *args), residual_layout(*args)
 
 
-def render_kernel(spec: KernelSpec, scheme: Scheme, registry: Registry | None = None) -> str:
-    """Triton source (with header) of ``spec``; template ``triton/<op>.j2``."""
+def render_sources(spec: KernelSpec, scheme: Scheme, registry: Registry | None = None) -> dict[str, str]:
+    """Every file of ``spec``'s kernel, by suffix: ``{".py": ...}`` (Triton, ``triton/<op>.j2``), or for
+    the CUDA backend ``{".py": ..., ".cu": ...}`` (``cuda/<op>.py.j2``, ``cuda/<op>.cu.j2``; see
+    :mod:`kvgen.codegen.cuda`). The ``.py`` file imports as the op's module and finds the ``.cu`` beside it.
+    """
     registry = registry or default_registry()
     env = environment(registry)
     L, R = layouts(spec, scheme)
+    if spec.backend == "cuda":
+        from kvgen.codegen import cuda
+
+        return cuda.render(spec, scheme, L, env, header(spec, registry), template_hash(registry))
     body = env.get_template(f"triton/{spec.op}.j2").render(
         spec=spec, L=L, R=R, residual=scheme.residual_tokens is not None,
         residual_pages=scheme.residual_pages(spec.page_size), scheme=scheme)
-    return header(spec, registry) + body
+    return {".py": header(spec, registry) + body}
+
+
+def render_kernel(spec: KernelSpec, scheme: Scheme, registry: Registry | None = None) -> str:
+    """The Python module (with header) of ``spec``: the Triton source, or the CUDA kernel's wrapper."""
+    return render_sources(spec, scheme, registry)[".py"]

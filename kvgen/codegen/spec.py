@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 
 OPS = ("decode", "prefill", "cache_write", "page_quantize", "dequant", "page_copy")
 COMPUTE_DTYPES = ("float16", "bfloat16", "float32")
+BACKENDS = ("triton", "cuda")
+"""Kernel languages: Triton (templates/triton) and CUDA C++ (templates/cuda)."""
 _SCHEME_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
@@ -20,7 +22,8 @@ _SCHEME_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 class KernelSpec:
     """One specialized kernel: op x scheme x shape x dtype x arch.
 
-    ``gqa_group`` is query heads per KV head; ``num_kv_heads`` the KV heads a
+    ``backend`` names the kernel language (:data:`BACKENDS`): it changes the
+    source, so it is part of the hash. ``gqa_group`` is query heads per KV head; ``num_kv_heads`` the KV heads a
     rank holds (after TP sharding). ``sliding_window`` (tokens, or 0 for
     none) and ``softcap`` (0.0 for none) only matter to attention ops.
     """
@@ -44,6 +47,8 @@ class KernelSpec:
         # The scheme name is written into the generated source (docstrings, messages): letters, digits, _ . - only.
         if not isinstance(self.scheme, str) or not _SCHEME_NAME.fullmatch(self.scheme):
             raise ValueError(f"scheme name {self.scheme!r} must be letters, digits, '_', '.' or '-'")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
 
