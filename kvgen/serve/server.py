@@ -32,8 +32,9 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.worker.begin_drain(self.drain_timeout)
         super().handle_exit(sig, frame)
-        if sig == signal.SIGTERM:  # a drained SIGTERM is a normal exit
-            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+        captured = getattr(self, "_captured_signals", None)  # uvicorn >= 0.29 re-raises these after shutdown
+        if sig == signal.SIGTERM and isinstance(captured, list):  # a drained SIGTERM is a normal exit
+            captured[:] = [s for s in captured if s != signal.SIGTERM]
 
     def request_exit(self) -> None:
         """Drain and stop as on SIGTERM (for servers run in a thread, which receive no signals)."""
