@@ -245,7 +245,8 @@ def plot(records, path):
     a.set_xticks(range(len(steps)))
     a.set_xticklabels(labels, fontsize=6, rotation=60)
     a.set_ylabel("ms per decode step")
-    a.set_yscale("log")
+    if steps:
+        a.set_yscale("log")
     a.legend()
     thr = [r for r in records if r["kind"] == "throughput"]
     b.bar(range(len(thr)), [r["tokens_per_s"] for r in thr])
@@ -330,7 +331,10 @@ def main(argv=None) -> int:
         for kv in kvs:
             attempt(ttft_record, kv, 4096 if q else 16384)
     save()
-    plot(records, out.with_suffix(".png"))
+    try:
+        plot(records, out.with_suffix(".png"))
+    except Exception as e:  # the JSON is the result; a plot failure must not hide it
+        log(f"plot failed: {e}")
     log(f"wrote {out}")
     return 0
 
