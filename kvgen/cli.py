@@ -225,8 +225,8 @@ def cmd_schemes(args) -> int:
 def cmd_plugins(args) -> int:
     from kvgen.registry import default_registry
 
-    registry = default_registry().collect_all()  # every hook, so every failure and conflict shows
-    plugins = registry.plugins
+    registry = default_registry()
+    plugins = registry.plugins  # complete: every hook has run, so every failure and conflict shows
     if args.json:
         _print_json([p.to_json() for p in plugins])
         return 0
@@ -265,10 +265,8 @@ def _plugin_commands() -> dict[str, tuple[str, Callable]]:
     out = {}
     for name, (_, help_text, build) in registry.commands.items():
         if name in COMMANDS:
-            for record in registry.plugins:
-                if name in record.registered.get("commands", ()):
-                    record.fail("conflict", f"plugin {record.label} registers command {name!r}, which is kvgen's "
-                                            f"own; ignored")
+            record = registry.owner("commands", name)
+            record.fail("conflict", f"plugin {record.label} registers command {name!r}, which is kvgen's own; ignored")
             continue
         out[name] = (help_text, build)
     return out

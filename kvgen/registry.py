@@ -118,13 +118,25 @@ class Registry:
     def __init__(self, loaded: list[tuple[PluginRecord, pluggy.PluginManager]], excluded: list[str] = (),
                  allowed: frozenset[str] | None = None):
         self._loaded = loaded
-        self.plugins: list[PluginRecord] = [record for record, _ in loaded]
+        self._records: list[PluginRecord] = [record for record, _ in loaded]
         self.excluded = list(excluded)
         """Entry-point names ``KVGEN_PLUGINS`` left out."""
         self.allowed = allowed
         """The ``KVGEN_PLUGINS`` allow-list, or None (every installed plugin loads)."""
         self._store: dict[str, Any] = {}
+        self._owners: dict[str, dict[str, PluginRecord]] = {}
         self._conflicts: dict[str, list[str]] = {}
+
+    @property
+    def plugins(self) -> list[PluginRecord]:
+        """Every loaded plugin's record, complete: reading it runs every kind's hooks (see :meth:`collect_all`)."""
+        self.collect_all()
+        return self._records
+
+    def owner(self, kind: str, name: str) -> PluginRecord | None:
+        """The plugin that registered ``name`` of ``kind`` (running that kind's hooks if not yet run)."""
+        self._collect(kind)
+        return self._owners[kind].get(name)
 
     # -- the kinds -------------------------------------------------------------
     @property
@@ -163,8 +175,8 @@ class Registry:
         return self
 
     def failed(self) -> list[PluginRecord]:
-        """Plugins with an error so far (import, a hook of a kind already read, or a conflict)."""
-        return [r for r in self.plugins if r.error]
+        """Plugins with an error so far (import, a hook of a kind already read, or a conflict); runs no hook."""
+        return [r for r in self._records if r.error]
 
     # -- collection -------------------------------------------------------------
     def _get(self, kind: str):
@@ -211,6 +223,7 @@ class Registry:
         if kind == "templates":
             self._template_conflicts(store, owners)
         self._store[kind] = store
+        self._owners[kind] = owners
         return store
 
     def _conflict(self, kind: str, message: str, *records: PluginRecord) -> None:
@@ -241,7 +254,7 @@ class Registry:
         """One line saying that ``name`` (of ``kind``) comes, or may come, from a plugin that failed or was left out."""
         singular = KINDS[kind].singular
         self._collect(kind)
-        failed = [r for r in self.plugins if r.failed_for(kind)]
+        failed = [r for r in self._records if r.failed_for(kind)]
         for r in failed:
             if r.name == name:
                 return (f"{singular} {name!r} comes from plugin {r.label}, which failed to load: {r.failed_for(kind)} "
