@@ -5,6 +5,14 @@ through the entry-point group ``kvgen.plugins`` that implement some of these
 hooks with ``@kvgen.hookimpl``. Every hook receives a ``register`` callback;
 calling it is the only way to contribute something, so a plugin never
 mutates kvgen's registries directly.
+
+What kvgen guarantees and expects (see ``kvgen.registry``): a name (scheme,
+target, model, command, template file) belongs to one plugin -- registering
+a name another plugin registered is an error naming both, so nothing
+replaces a built-in; a hook that raises is recorded on its plugin and the
+rest of kvgen goes on; hooks of one kind run only when kvgen first needs
+that kind, and kvgen imports every plugin module for every command, so a
+module imports nothing heavy at its top (``kvgen.plugin_api.lazy_import``).
 """
 
 import pluggy
