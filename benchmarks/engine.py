@@ -57,8 +57,9 @@ def make_engine(kv: str, *, max_model_len: int, max_num_seqs: int, max_tokens: i
                         max_num_seqs=max_num_seqs, max_tokens=max_tokens, enforce_eager=eager)
 
 
-def release(engine) -> None:
-    del engine
+def release(holder: list) -> None:
+    """Drop the engine in ``holder`` (the only reference) and give its GPU memory back before the next one."""
+    holder.clear()
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -102,7 +103,9 @@ def step_records(kvs, shapes, bw, steps, hf_static) -> list[dict]:
                        vs_roofline=ms / roof, graph_steps=eng.runner.graph_steps)
             log(json.dumps(rec))
             out.append(rec)
-            release(eng)
+            holder = [eng]
+            del eng
+            release(holder)
         out.extend(hf_step_records(B, L, bw, steps, hf_static))
     return out
 
@@ -178,7 +181,9 @@ def throughput_record(kv, reqs, *, max_model_len, max_num_seqs, max_tokens=None,
                tokens_per_s=generated / s, peak_concurrent=eng.peak_running, preemptions=eng.scheduler.num_preemptions,
                capacity_tokens=eng.cache.capacity_tokens)
     log(json.dumps(rec))
-    release(eng)
+    holder = [eng]
+    del eng
+    release(holder)
     return rec
 
 
@@ -225,7 +230,9 @@ def ttft_record(kv, L) -> dict:
     torch.cuda.synchronize()
     rec = dict(kind="ttft", engine="kvgen", kv=kv, B=1, context=L, ms=(time.perf_counter() - t) * 1e3)
     log(json.dumps(rec))
-    release(eng)
+    holder = [eng]
+    del eng
+    release(holder)
     return rec
 
 
@@ -320,7 +327,9 @@ def main(argv=None) -> int:
                 from kvgen.engine.loader import build_engine  # noqa: F401  (planning only below)
                 eng = make_engine(kv, max_model_len=ctx + 256, max_num_seqs=256, max_tokens=4096)
                 per_token = eng.plan.kv_bytes_per_token
-                release(eng)
+                holder = [eng]
+                del eng
+                release(holder)
                 cap = int(budget // per_token)
                 n = max(1, cap // (ctx + 128))
                 reqs = workload(2 * n, seed=2, prompt=(ctx - 64, ctx), output=(128, 128))

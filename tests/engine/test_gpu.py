@@ -36,19 +36,35 @@ def run(engine, prompts, params):
 
 
 @pytest.mark.parametrize("kv", ["bf16", "int8", "int4"])
-def test_graph_decode_equals_eager(kv):
+def test_graph_decode_matches_eager(kv):
+    """Every replayed step's hidden states equal an eager run of the same step (same K/V rewritten: idempotent).
+
+    Not bitwise: a graph pads the batch to its bucket and its block tables to
+    max_model_len, so the decode kernel may split the keys differently.
+    """
     rng = random.Random(0)
     prompts = [[rng.randrange(1024) for _ in range(rng.randint(1, 300))] for _ in range(12)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, n=2)
-    results = []
-    for eager in (True, False):
-        eng = build_engine(config=TINY, kv=kv, dtype="bfloat16", device="cuda", max_model_len=1024,
-                           max_num_seqs=24, max_tokens=8192, enforce_eager=eager, autotune=False, verbose=False)
-        results.append(run(eng, prompts, params))
-        if not eager:
-            assert eng.runner.graph_steps > 20
-        assert all_free(eng.cache)
-    assert results[0] == results[1]
+    eng = build_engine(config=TINY, kv=kv, dtype="bfloat16", device="cuda", max_model_len=1024,
+                       max_num_seqs=24, max_tokens=8192, autotune=False, verbose=False)
+    graphs, model = eng.runner.graphs, eng.runner.model
+    errors = []
+    replay = graphs.run
+
+    def checked(step, ids, pos):
+        got = replay(step, ids, pos).clone()
+        ref = model(ids, pos, eng.runner._attend(step))
+        errors.append(float((got.float() - ref.float()).norm() / ref.float().norm()))
+        return got
+
+    graphs.run = checked
+    outs = run(eng, prompts, params)
+    assert all(len(c) == 48 for o in outs for c in o)
+    assert eng.runner.graph_steps > 20 and len(errors) == eng.runner.graph_steps
+    assert max(errors) < 2e-2, max(errors)
+    if kv == "int4":
+        assert graphs.converted_steps > 0
+    assert all_free(eng.cache)
 
 
 def test_stories_fp32_on_gpu_equals_hf():
