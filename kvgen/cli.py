@@ -29,6 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plugins": ("list plugins and what each registered", "kvgen.cli:PLUGINS"),
     "eval": ("perplexity, KL and top-1 of KV schemes on a real model and text, vs a float32 cache",
              "kvgen.eval.command"),
+    "generate": ("generate text with a model on kvgen's KV cache (continuous-batching engine)", "kvgen.engine.cli"),
+    "serve": ("serve a model over an OpenAI-compatible HTTP API", "kvgen.serve.cli"),
+    "tune": ("tune a compiled package's kernels ahead of time for given batch sizes and contexts",
+             "kvgen.tune_command"),
 }
 """Command name -> (help, ``"module"`` or ``"module:attribute"`` of an object with ``add_args`` and ``run``)."""
 
@@ -113,8 +117,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
 def build_plan(args: argparse.Namespace):
     """Resolve model, target and workload from parsed arguments and plan."""
     from kvgen.models import resolve_model
-    from kvgen.planner.planner import make_plan
-    from kvgen.planner.workload import COMPUTE_DTYPES, Workload
+    from kvgen.planner.planner import make_plan, plan_warnings
+    from kvgen.planner.workload import COMPUTE_DTYPES, Workload, host_memory_bytes
     from kvgen.registry import default_registry
     from kvgen.targets import detect_target, resolve_target
 
@@ -130,13 +134,16 @@ def build_plan(args: argparse.Namespace):
         raise UsageError(f"--dtype must be bf16, fp16 or fp32, got {args.dtype!r}")
     workload = Workload(context=args.context, concurrency=args.concurrency, tp=args.tp,
                         gpu_memory_utilization=args.gpu_memory_utilization, weight_bits=weight_bits,
-                        page_size=page, compute_dtype=dtype, host_memory_bytes=int(args.host_memory * 2**30))
+                        page_size=page, compute_dtype=dtype, host_memory_bytes=host_memory_bytes(args.host_memory))
     registry = default_registry()
     if args.kv != "auto":
         registry.scheme(args.kv)  # a scheme whose plugin failed is named as such, not as an unknown name
     model = resolve_model(args.model)
     target = detect_target() if args.target == "auto" else resolve_target(args.target)
-    return make_plan(model, target, workload, registry.schemes, kv=args.kv)
+    plan = make_plan(model, target, workload, registry.schemes, kv=args.kv)
+    for warning in plan_warnings(plan):
+        print(f"kvgen: warning: {warning}", file=sys.stderr)
+    return plan
 
 
 def cmd_plan(args) -> int:
@@ -163,18 +170,23 @@ def cmd_plan(args) -> int:
 def _add_compile_args(p: argparse.ArgumentParser) -> None:
     _add_plan_args(p)
     p.add_argument("--out", default=None, help="output folder (default generated/<plan-name>)")
+    p.add_argument("--backend", choices=("triton", "cuda", "auto"), default="triton",
+                   help="kernel language: triton (default); cuda (CUDA C++ where a template exists, Triton "
+                        "elsewhere; nvcc builds at compile or first load); auto (both are packaged)")
 
 
 def cmd_compile(args) -> int:
     from kvgen.codegen.package import compile_plan
 
     plan = build_plan(args)
-    result = compile_plan(plan, out_dir=args.out)
+    result = compile_plan(plan, out_dir=args.out, backend=args.backend)
     if args.json:
         _print_json(result.to_json())
     else:
         print(f"compiled {plan.name} -> {result.out_dir} ({len(result.files)} files, "
               f"{'unchanged' if result.unchanged else 'written'}, {result.seconds:.2f} s)")
+        for note in result.notes:
+            print(f"  note: {note}")
         print(f"  import it: sys.path.insert(0, {str(result.out_dir.parent)!r}); "
               f"import {result.out_dir.name} as k; rt = k.load()")
     return 0

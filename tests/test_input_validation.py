@@ -136,8 +136,6 @@ def test_host_memory_must_be_finite(gib):
     assert host_memory_bytes(1.5) == 3 * 2**29
 
 
-@pytest.mark.xfail(strict=True, reason="needs kvgen/cli.py to convert --host-memory with "
-                                       "kvgen.planner.workload.host_memory_bytes (owned by the CLI's helper)")
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_cli_host_memory_nan_inf(capsys, value):
     assert_one_line_error(capsys, *plan_args("llama-3-8b", "--host-memory", value), match="--host-memory")
@@ -209,7 +207,6 @@ def test_plan_warnings_name_host_tier_and_weight_quantization():
     assert plan_warnings(make_plan(model, target, Workload(context=4096, tp=4), schemes, kv="auto")) == []
 
 
-@pytest.mark.xfail(strict=True, reason="needs kvgen/cli.py to print plan_warnings on stderr (owned by the CLI's helper)")
 def test_cli_prints_plan_warnings_on_stderr(capsys):
     rc, out, err = cli(capsys, *plan_args("llama-3-70b", "--context", "8192", "--concurrency", "256", "--json"))
     assert rc == 0 and json.loads(out)["tiering"] == "host"

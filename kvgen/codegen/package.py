@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib.metadata
 import importlib.resources
+import importlib.util
+import sys
 import json
 import keyword
 import os
@@ -215,10 +218,9 @@ def render_package(plan: Plan, registry: Registry | None = None, backend: str = 
             kernels[op]["no_cuda"] = reasons[op]
     plan_json = dict(plan.to_json(), generated_by=f"kvgen {kvgen.__version__}", backend=backend, kernels=kernels)
     files["plan.json"] = json.dumps(plan_json, indent=2, sort_keys=True) + "\n"
-    try:
-        import triton
-        triton_version = triton.__version__
-    except Exception:  # codegen itself does not need triton
+    try:  # the installed version, without importing triton (slow; codegen itself does not need it)
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
         triton_version = None
     manifest = {
         "generated_by": f"kvgen {kvgen.__version__}",
@@ -342,3 +344,22 @@ def compile_plan(plan: Plan, out_dir: str | Path | None = None, registry: Regist
             result.notes.append(report.skipped)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def import_package(out_dir: str | Path):
+    """Import a generated package from ``out_dir`` (named by its manifest hash, so a recompile is a new module)."""
+    out_dir = Path(out_dir)
+    digest = hashlib.sha256((out_dir / "manifest.json").read_bytes()).hexdigest()[:12]
+    name = f"kvgen_generated_{out_dir.name}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, out_dir / "__init__.py",
+                                                  submodule_search_locations=[str(out_dir)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module

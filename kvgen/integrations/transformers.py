@@ -48,10 +48,7 @@ Without a KvgenCache (``use_cache=False``, or another cache type) the
 from __future__ import annotations
 
 import gc
-import hashlib
-import importlib.util
 import itertools
-import sys
 import threading
 import weakref
 from pathlib import Path
@@ -61,6 +58,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from kvgen import env
+from kvgen.codegen.package import import_package  # noqa: F401  (re-exported: kvgen's users import it from here)
 from kvgen.errors import KvgenError
 from kvgen.integrations.hf_config import text_config
 from kvgen.runtime.errors import OutOfPages
@@ -120,25 +118,6 @@ def plan_for_model(model: Any, scheme: str = "int8", *, device: torch.device | s
     workload = Workload(context=int(context or spec.max_positions), concurrency=int(concurrency),
                         compute_dtype=_dtype_name(model.dtype), page_size=page_size, tp=int(tp))
     return make_plan(spec, tgt, workload, default_registry().schemes, kv=scheme)
-
-
-def import_package(out_dir: str | Path):
-    """Import a generated package from ``out_dir`` (named by its manifest hash, so a recompile is a new module)."""
-    out_dir = Path(out_dir)
-    digest = hashlib.sha256((out_dir / "manifest.json").read_bytes()).hexdigest()[:12]
-    name = f"kvgen_generated_{out_dir.name}_{digest}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, out_dir / "__init__.py",
-                                                  submodule_search_locations=[str(out_dir)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
 
 
 def compile_for_model(plan) -> Any:

@@ -7,15 +7,32 @@ attention ops (``plan_step`` once per model step, then ``append_kv`` /
 this folder is copied verbatim into ``generated/<plan>/runtime``.
 """
 
-from .autotune import Autotuner
-from .block_manager import COMPRESSED, RESIDUAL, AppendPlan, BlockManager
-from .cache import KVCache, PagePool, default_device, load, pool_sizes
-from .errors import KvgenRuntimeError, OutOfPages, UnknownSequence
-from .pools import allocate_pool, pool_bytes
-from .step import StepMetadata
+import importlib
 
-__all__ = [
-    "COMPRESSED", "RESIDUAL", "AppendPlan", "Autotuner", "BlockManager", "KVCache", "KvgenRuntimeError",
-    "OutOfPages", "PagePool", "StepMetadata", "UnknownSequence", "allocate_pool", "default_device", "load", "pool_bytes",
-    "pool_sizes",
-]
+# Name -> submodule. Exports load on first use, so a light import of one submodule (kvgen.env reads
+# runtime/env.py) does not pull in torch through this package's __init__.
+_EXPORTS = {
+    "Autotuner": "autotune",
+    "COMPRESSED": "block_manager", "RESIDUAL": "block_manager", "AppendPlan": "block_manager",
+    "BlockManager": "block_manager",
+    "KVCache": "cache", "PagePool": "cache", "default_device": "cache", "load": "cache", "pool_sizes": "cache",
+    "KvgenRuntimeError": "errors", "OutOfPages": "errors", "UnknownSequence": "errors",
+    "allocate_pool": "pools", "pool_bytes": "pools",
+    "StepMetadata": "step",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
