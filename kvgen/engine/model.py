@@ -3,8 +3,10 @@
 Parameters are named as in Hugging Face checkpoints (``model.layers.3.
 self_attn.q_proj.weight``...), so loading is a name-for-name copy into
 preallocated tensors. q/k/v/o and gate/up/down are separate ``[out, in]``
-weights with head-major rows: a later tensor-parallel split cuts q/k/v and
-gate/up by rows (column-parallel) and o/down by columns (row-parallel).
+parameters with head-major rows: a later tensor-parallel split cuts q/k/v
+and gate/up by rows (column-parallel) and o/down by columns (row-parallel).
+q/k/v (and gate/up) are row views of one fused matrix per layer, so a step
+runs one GEMM for them (at batch 1 every kernel launch counts).
 
 ``forward(input_ids, positions, attend)`` runs every layer over the step's
 flat tokens; ``attend(layer, q, k, v)`` (``q [T, Hq, D]``, ``k``/``v``
@@ -31,12 +33,20 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with an uninitialized ``[out, in]`` weight (filled by the loader)."""
+    """``y = x W^T (+ b)`` with an uninitialized ``[out, in]`` weight (filled by the loader).
 
-    def __init__(self, n_in: int, n_out: int, bias: bool) -> None:
+    ``weight``/``bias`` given: the parameters are those tensors (views into a
+    fused matrix: loading into them fills the fused one).
+    """
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, weight: torch.Tensor | None = None,
+                 bias_view: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.weight = _param(n_out, n_in)
-        self.bias = _param(n_out) if bias else None
+        self.weight = _param(n_out, n_in) if weight is None else nn.Parameter(weight, requires_grad=False)
+        if bias:
+            self.bias = _param(n_out) if bias_view is None else nn.Parameter(bias_view, requires_grad=False)
+        else:
+            self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
@@ -51,34 +61,37 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        h = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        H = cfg.hidden_size
-        self.q_proj = Linear(H, cfg.q_size, cfg.qkv_bias)
-        self.k_proj = Linear(H, cfg.kv_size, cfg.qkv_bias)
-        self.v_proj = Linear(H, cfg.kv_size, cfg.qkv_bias)
+        H, nq, nkv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+        # One [q+k+v, H] matrix (one GEMM per layer); q/k/v_proj are row views of it, named as in checkpoints.
+        self.register_buffer("qkv_weight", torch.empty(nq + 2 * nkv, H), persistent=False)
+        self.register_buffer("qkv_bias", torch.empty(nq + 2 * nkv) if cfg.qkv_bias else None, persistent=False)
+        w, b = self.qkv_weight, self.qkv_bias
+        rows = {"q": (0, nq), "k": (nq, nkv), "v": (nq + nkv, nkv)}
+        for name, (start, n) in rows.items():
+            setattr(self, f"{name}_proj", Linear(H, n, cfg.qkv_bias, w.narrow(0, start, n),
+                                                 None if b is None else b.narrow(0, start, n)))
+        self.sizes = (nq, nkv, nkv)
         self.o_proj = Linear(cfg.q_size, H, cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, layer: int, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+    def forward(self, layer: int, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 attend: Attend) -> torch.Tensor:
         T, D = x.shape[0], self.cfg.head_dim
-        q = self.q_proj(x).view(T, -1, D)
-        k = self.k_proj(x).view(T, -1, D)
-        v = self.v_proj(x).view(T, -1, D)
+        q, k, v = nn.functional.linear(x, self.qkv_weight, self.qkv_bias).split(self.sizes, dim=-1)
+        q, k, v = q.reshape(T, -1, D), k.reshape(T, -1, D), v.reshape(T, -1, D)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(q, k, positions)
+        q, k = Rotary.rotate(q, k, *cos_sin)
         out = attend(layer, q, k, v)
         return self.o_proj(out.reshape(T, -1).to(x.dtype))
 
@@ -87,12 +100,18 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         H, I = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(H, I, cfg.mlp_bias)
-        self.up_proj = Linear(H, I, cfg.mlp_bias)
+        # gate and up as row views of one [2I, H] matrix: one GEMM per layer.
+        self.register_buffer("gate_up_weight", torch.empty(2 * I, H), persistent=False)
+        self.register_buffer("gate_up_bias", torch.empty(2 * I) if cfg.mlp_bias else None, persistent=False)
+        w, b = self.gate_up_weight, self.gate_up_bias
+        self.gate_proj = Linear(H, I, cfg.mlp_bias, w.narrow(0, 0, I), None if b is None else b.narrow(0, 0, I))
+        self.up_proj = Linear(H, I, cfg.mlp_bias, w.narrow(0, I, I), None if b is None else b.narrow(0, I, I))
         self.down_proj = Linear(I, H, cfg.mlp_bias)
+        self.inter = I
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.inter, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -134,9 +153,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the last layer (before the final norm)."""
         h = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.lookup(positions)  # once per step, shared by every layer
         for i, layer in enumerate(self.model.layers):
             residual = h
-            h = layer.self_attn(i, layer.input_layernorm(h), positions, self.rotary, attend)
+            h = layer.self_attn(i, layer.input_layernorm(h), cos_sin, attend)
             h = residual + h
             residual = h
             h = residual + layer.mlp(layer.post_attention_layernorm(h))

@@ -42,11 +42,18 @@ class Rotary:
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, D]`` of ``positions [T]`` (int64): once per step, for every layer."""
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
+
+    @staticmethod
+    def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [T, Hq, D]``, ``k [T, Hkv, D]`` -> rotated q, k (cos/sin from :meth:`lookup`)."""
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q [T, Hq, D]``, ``k [T, Hkv, D]``, ``positions [T]`` int64 -> rotated q, k."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return self.rotate(q, k, *self.lookup(positions))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
