@@ -98,6 +98,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from kvgen.errors import SchemeCapabilityError, SchemeOptionError, UnknownSchemeError
@@ -243,23 +244,35 @@ class Scheme:
         raise NotImplementedError(f"scheme {self.name} must declare its page tensors")
 
     def bytes_per_token_per_kv_head(self, head_dim: int, page_size: int) -> float:
-        """K and V bytes one token costs per KV head in the compressed pool."""
-        d, p = symbols()
-        return float(self.bytes_per_token_expr().subs({d: head_dim, p: page_size}))
+        """K and V bytes one token costs per KV head in the compressed pool (:meth:`page_bytes_per_token`)."""
+        return float(self.page_bytes_per_token(head_dim, page_size))
+
+    def page_bytes_per_token(self, head_dim: int, page_size: int) -> Fraction:
+        """Exact K and V bytes per token per KV head in the compressed pool: the page tensors' bytes over the page size.
+
+        This is what the runtime allocates (one tensor per PageTensor), so it
+        is the planner's number; it needs no sympy. :meth:`bytes_per_token_expr`
+        is the same quantity as a formula in D and P (the shared scheme tests
+        check that they agree).
+        """
+        return Fraction(self._page_bytes(head_dim, page_size), page_size)
+
+    def _page_bytes(self, head_dim: int, page_size: int) -> int:
+        return sum(t.elements() * dtype_bytes(self._concrete_dtype(t)) for t in self.page_tensors(head_dim, page_size))
 
     def bytes_per_token_expr(self) -> sympy.Expr:
         """Bytes per token per KV head as a sympy expression in :data:`D` and :data:`P`.
 
-        The default samples ``page_tensors`` and is exact for layouts whose
-        sizes are linear in D and in D*P (true of every built-in scheme);
-        override it for anything else.
+        Built only when asked for (planning uses :meth:`page_bytes_per_token`,
+        so it never imports sympy). The default samples ``page_tensors`` and is
+        exact for layouts whose sizes are linear in D and in D*P (true of every
+        built-in scheme); override it for anything else. It must equal
+        :meth:`page_bytes_per_token` at every supported (D, P).
         """
         import sympy
 
         D, P = symbols()
-
-        def total(d: int, p: int) -> int:
-            return sum(t.elements() * dtype_bytes(self._concrete_dtype(t)) for t in self.page_tensors(d, p))
+        total = self._page_bytes
 
         # Fit a*D + b*D/P (+ c + e/P) from four samples on a 2x2 grid.
         d0, d1, p0, p1 = 64, 128, 16, 32

@@ -1,16 +1,15 @@
 """The layout context templates see: tile sizes, folded strides, pointer names.
 
-Strides and sizes are built as sympy expressions in the spec's symbols and
-substituted per spec, so the emitted source holds plain integer constants
-(Triton then folds them into addressing).
+Strides and sizes are computed per spec (a page tensor's shape is already
+concrete for the spec's head dim and page size), so the emitted source holds
+plain integer constants (Triton then folds them into addressing).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
-
-import sympy
 
 from kvgen.errors import PluginError
 from kvgen.schemes import COMPUTE, PageTensor, Scheme
@@ -70,7 +69,6 @@ class LayoutContext:
 
 def _tensor_layouts(tensors: tuple[PageTensor, ...], compute_dtype: str, prefix: str,
                     head_dim: int, page_size: int) -> dict[str, TensorLayout]:
-    d, p = sympy.symbols("D P", positive=True, integer=True)
     out = {}
     for t in tensors:
         # Tensor names become kernel argument names in the source: they must be identifiers.
@@ -78,11 +76,11 @@ def _tensor_layouts(tensors: tuple[PageTensor, ...], compute_dtype: str, prefix:
             raise PluginError(f"page tensor name {t.name!r} is not a plain Python identifier; name it like 'k_scale'")
         if (compute_dtype if t.dtype == COMPUTE else t.dtype) not in TL_DTYPES:
             raise PluginError(f"page tensor {t.name} has dtype {t.dtype!r}; use one of {', '.join(TL_DTYPES)}")
-        # Shapes are declared per (D, P); the stride is their product, folded to a constant.
-        stride = sympy.Mul(*[sympy.Integer(s) for s in t.shape]) if t.shape else sympy.Integer(1)
+        # page_tensors(head_dim, page_size) gives concrete shapes; the stride is their product, a constant.
+        stride = math.prod(int(s) for s in t.shape)
         dtype = compute_dtype if t.dtype == COMPUTE else t.dtype
         out[t.name] = TensorLayout(
-            name=t.name, ptr=f"{prefix}{t.name}_ptr", stride=int(stride.subs({d: head_dim, p: page_size})),
+            name=t.name, ptr=f"{prefix}{t.name}_ptr", stride=stride,
             dtype=dtype, tl_dtype=TL_DTYPES[dtype], shape=tuple(t.shape))
     return out
 

@@ -2,8 +2,9 @@
 
 Each decision (TP shard, page size, scheme, tiering) is a small function
 that returns its choice and a one-line reason. Byte counts come from the
-sympy memory model in ``kvgen.planner.memory``; the planner never knows a
-scheme's layout, it asks the scheme for its bytes per token.
+memory model in ``kvgen.planner.memory`` (exact fractions, no sympy); the
+planner never knows a scheme's layout, it asks the scheme for its bytes per
+token.
 """
 
 from __future__ import annotations
@@ -11,15 +12,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
-import sympy
-
-from kvgen.errors import PlanError, SchemeCapabilityError, UnknownSchemeError, WorkloadError
+from kvgen.errors import PlanError, SchemeCapabilityError, WorkloadError
 from kvgen.models import ModelSpec
 from kvgen.planner import memory as mm
 from kvgen.planner.plan import Plan, package_name
 from kvgen.planner.workload import Workload
-from kvgen.schemes import Scheme, parse_scheme_spec, resolve_scheme
+from kvgen.schemes import Scheme, resolve_scheme
 from kvgen.targets import Target
 
 PAGE_CANDIDATES = (8, 16, 32, 64, 128)
@@ -92,7 +92,7 @@ def choose_page_size(scheme: Scheme, workload: Workload, head_dim: int) -> tuple
 @dataclass(frozen=True)
 class Capacity:
     page_size: int
-    b_head: sympy.Rational
+    b_head: Fraction
     kv_per_token: int
     kv_per_token_gpu: int
     residual_per_token_gpu: int
@@ -107,18 +107,18 @@ class Capacity:
 def capacity(model: ModelSpec, target: Target, workload: Workload, shard: Shard,
              scheme: Scheme, page: int) -> Capacity:
     """Pages and capacity one GPU gets for ``scheme`` at page size ``page``."""
-    b_head = mm.scheme_bytes_per_token(scheme.bytes_per_token_expr(), model.head_dim, page)
+    b_head = scheme.page_bytes_per_token(model.head_dim, page)
     compute_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[workload.compute_dtype]
     values = {
         mm.layers: model.num_layers, mm.kv_heads: model.num_kv_heads, mm.kv_heads_gpu: shard.kv_heads_per_gpu,
         mm.bytes_per_head: b_head, mm.params: model.num_params, mm.weight_bits: workload.weight_bits,
-        mm.tp: workload.tp, mm.memory: target.memory_bytes, mm.util: sympy.nsimplify(workload.gpu_memory_utilization),
+        mm.tp: workload.tp, mm.memory: target.memory_bytes, mm.util: mm.exact(workload.gpu_memory_utilization),
         mm.workspace: mm.WORKSPACE_BYTES,
     }
-    kv_tok = int(mm.KV_BYTES_PER_TOKEN.subs(values))
-    kv_tok_gpu = int(mm.KV_BYTES_PER_TOKEN_PER_GPU.subs(values))
+    kv_tok = int(mm.KV_BYTES_PER_TOKEN.value(values))
+    kv_tok_gpu = int(mm.KV_BYTES_PER_TOKEN_PER_GPU.value(values))
     residual_tok_gpu = model.num_layers * shard.kv_heads_per_gpu * 2 * model.head_dim * compute_bytes
-    budget = int(sympy.floor(mm.KV_BUDGET.subs(values)))
+    budget = math.floor(mm.KV_BUDGET.value(values))
     formulas = [
         mm.show("kv_bytes_per_token", mm.KV_BYTES_PER_TOKEN, values),
         mm.show("kv_bytes_per_token_per_gpu", mm.KV_BYTES_PER_TOKEN_PER_GPU, values),
@@ -158,9 +158,7 @@ def choose_scheme(requested: str, schemes: dict[str, Scheme], model: ModelSpec, 
                   workload: Workload, shard: Shard) -> tuple[Scheme, int, Capacity, str]:
     """``--kv auto``: the most precise scheme whose capacity meets concurrency x context, else the most compact."""
     if requested != "auto":
-        if parse_scheme_spec(requested)[0] not in schemes:
-            raise UnknownSchemeError(
-                f"unknown --kv scheme {requested!r}; known: {', '.join(sorted(schemes))} or auto (kvgen schemes lists them)")
+        # An unknown name raises kvgen.schemes.unknown_scheme_error, which names a plugin that failed or was left out.
         scheme = resolve_scheme(requested, schemes)
         # The page is chosen first: a residual that only small pages divide (int4:residual=24) is valid.
         page, page_why = choose_page_size(scheme, workload, model.head_dim)

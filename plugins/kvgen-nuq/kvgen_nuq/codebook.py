@@ -3,7 +3,11 @@
 Everything here is plain torch and shared by the scheme's torch reference
 (:mod:`kvgen_nuq.scheme`) and by calibration (:mod:`kvgen_nuq.calibrate`), so
 the values the codebook is fitted on are normalized exactly as the kernels
-normalize them.
+normalize them. torch loads on first use (``lazy_import``): reading and
+checking codebook files, and the float32 thresholds the kernels bake in
+(:func:`level_midpoints`), are plain Python, so kvgen registers, plans and
+compiles nuq4 without importing torch. A codebook is a tuple of 16 floats,
+each exactly a float32 value.
 
 Key normalization of one page (``k``: ``[..., P, D]``):
 
@@ -32,12 +36,16 @@ import json
 import math
 import os
 import stat
+import struct
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
+from kvgen.plugin_api import KvgenError, lazy_import
 
-from kvgen.plugin_api import KvgenError
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_import("torch")  # normalization, k-means and encoding only; files and checks never need it
 
 LEVELS = 16
 FORMAT = "kvgen-nuq-codebook/1"
@@ -125,25 +133,43 @@ def normalized_inliers(k: torch.Tensor, page_size: int, n_out: int | None = None
 # --------------------------------------------------------------------------- codebooks
 
 
-def midpoints(codebook: torch.Tensor) -> torch.Tensor:
+def float32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (as a Python float); OverflowError past float32's range."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def midpoints(codebook: torch.Tensor | Sequence[float]) -> torch.Tensor:
     """Float32 decision thresholds between consecutive (ascending) levels."""
-    c = codebook.to(torch.float32)
+    c = torch.as_tensor(codebook, dtype=torch.float32)
     return (c[:-1] + c[1:]) * 0.5
 
 
-def encode(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+def level_midpoints(levels: Sequence[float]) -> tuple[float, ...]:
+    """:func:`midpoints` without torch: the same float32 values, for float32 ``levels`` (a checked codebook).
+
+    ``a + b`` of two float32 values is computed in float64 and rounded to float32: float64 carries more
+    than twice float32's precision plus two bits, so the double rounding equals float32's own sum (and
+    ``* 0.5`` is exact); a test compares this with :func:`midpoints` on every shipped codebook."""
+    return tuple(float32(float32(a + b) * 0.5) for a, b in zip(levels[:-1], levels[1:]))
+
+
+def encode(x: torch.Tensor, codebook: torch.Tensor | Sequence[float]) -> torch.Tensor:
     """Nearest-level codes of float32 ``x`` (int64): the number of midpoints ``x`` is above."""
     # bucketize(right=False) counts the midpoints strictly below x: the same as (x > mids).sum(-1).
     return torch.bucketize(x, midpoints(codebook).to(x.device), right=False)
 
 
-def check_codebook(values: Sequence[float], what: str = "codebook") -> torch.Tensor:
-    """A float32 tensor of 16 finite, strictly ascending levels, or CodebookError."""
+def check_codebook(values: Sequence[float], what: str = "codebook") -> tuple[float, ...]:
+    """16 finite, strictly ascending levels rounded to float32 (a tuple of floats), or CodebookError.
+
+    Plain Python: loading and checking a codebook never imports torch."""
     try:
-        cb = torch.tensor([float(v) for v in values], dtype=torch.float32)
+        cb = tuple(float32(float(v)) for v in values)
     except (TypeError, ValueError) as exc:
         raise CodebookError(f"{what}: expected {LEVELS} numbers ({exc}); refit it with 'kvgen nuq calibrate'") from None
-    if cb.numel() != LEVELS or not torch.isfinite(cb).all() or not (cb[1:] > cb[:-1]).all():
+    except OverflowError:  # beyond float32's range: infinite once stored as float32
+        cb = (math.inf,)
+    if len(cb) != LEVELS or not all(map(math.isfinite, cb)) or not all(b > a for a, b in zip(cb, cb[1:])):
         raise CodebookError(f"{what}: expected {LEVELS} finite, strictly ascending levels, got {values!r}; "
                             "refit it with 'kvgen nuq calibrate'")
     return cb
@@ -255,8 +281,8 @@ def save_codebooks(path: str | os.PathLike, fits: dict[int, dict[str, Any]], met
     data = {"format": FORMAT, "levels": LEVELS, **meta, "codebooks": {}}
     for page, fit in sorted(fits.items()):
         data["codebooks"][str(page)] = {
-            "pooled": [float(v) for v in fit["pooled"].to(torch.float32)],
-            "layers": [[float(v) for v in cb.to(torch.float32)] for cb in fit["layers"]],
+            "pooled": [float32(float(v)) for v in fit["pooled"]],
+            "layers": [[float32(float(v)) for v in cb] for cb in fit["layers"]],
             "stats": fit.get("stats", []),
         }
     path = Path(path)
@@ -294,7 +320,8 @@ def load_codebooks(path: str | os.PathLike | Any) -> dict[str, Any]:
     """Read and validate a codebook file.
 
     Returns the file's data with ``codebooks`` as ``{page_size (int): {"pooled":
-    float32 tensor, "layers": [float32 tensor], "stats": [...]}}``.
+    levels, "layers": [levels], "stats": [...]}}``, levels as :func:`check_codebook` returns them
+    (tuples of float32 values; no torch).
     """
     try:
         text = _read_bounded(path)
@@ -327,11 +354,12 @@ def load_codebooks(path: str | os.PathLike | Any) -> dict[str, Any]:
     return data
 
 
-def rms_error(x: torch.Tensor, codebook: torch.Tensor, weights: torch.Tensor | None = None) -> float:
+def rms_error(x: torch.Tensor, codebook: torch.Tensor | Sequence[float], weights: torch.Tensor | None = None) -> float:
     """Root (weighted) mean squared quantization error of normalized values ``x`` under ``codebook``."""
     x = x.float().flatten()
     if x.numel() == 0:
         return 0.0
+    codebook = torch.as_tensor(codebook, dtype=torch.float32)
     err = (x.double() - codebook.double()[encode(x, codebook)]) ** 2
     if weights is None:
         return math.sqrt(float(err.mean()))

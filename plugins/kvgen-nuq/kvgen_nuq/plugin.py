@@ -17,8 +17,9 @@ import importlib.resources
 
 from kvgen.plugin_api import hookimpl
 
-# Hooks import the scheme (torch, the codebook file) and the CLI only when kvgen asks for them: kvgen imports
-# this module for every command, ``kvgen --help`` included.
+# Hooks import the scheme (and read its codebook file) and the CLI only when kvgen asks for them: kvgen imports
+# this module for every command, ``kvgen --help`` included. Registering nuq4 loads neither torch nor sympy
+# (kvgen_nuq.scheme imports them lazily; tests/test_cli_speed.py checks plan and compile of nuq4).
 
 
 @hookimpl

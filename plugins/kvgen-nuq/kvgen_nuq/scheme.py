@@ -110,13 +110,20 @@ import functools
 import importlib.resources
 import math
 import os
+from typing import TYPE_CHECKING
 
-import sympy
-import torch
+from kvgen.plugin_api import KvgenError, PageTensor, Scheme, lazy_import
+from kvgen_nuq.codebook import (CodebookError, channel_range, check_codebook, encode, level_midpoints, load_codebooks,
+                                normalize, outliers_per_token, split_outliers)
 
-from kvgen.plugin_api import D, P, KvgenError, PageTensor, Scheme
-from kvgen_nuq.codebook import (CodebookError, channel_range, check_codebook, encode, load_codebooks, midpoints, normalize,
-                                outliers_per_token, split_outliers)
+if TYPE_CHECKING:
+    import sympy
+    import torch
+else:
+    # kvgen imports this module to register nuq4 for every command: registering, planning and compiling read
+    # only the layout and the codebook floats. torch loads on the first quantize/dequantize, sympy when
+    # bytes_per_token_expr is asked for.
+    torch = lazy_import("torch")
 
 VALUE_GROUP = 32
 CODEBOOK_ENV = "KVGEN_NUQ_CODEBOOK"
@@ -129,24 +136,31 @@ def value_group(head_dim: int) -> int:
     return math.gcd(VALUE_GROUP, head_dim)
 
 
-class nuq_value_group(sympy.Function):
-    """``gcd(32, D)`` for bytes-per-token expressions (exact for every D)."""
+@functools.lru_cache(maxsize=1)
+def _sympy_functions() -> tuple[type, type]:
+    """``(nuq_value_group, nuq_outliers)``: sympy functions for bytes-per-token expressions, defined on first
+    use so that sympy loads only then. Exact for every D: neither is linear in D."""
+    import sympy
 
-    @classmethod
-    def eval(cls, d):
-        if d.is_Integer:
-            return sympy.Integer(value_group(int(d)))
-        return None
+    class nuq_value_group(sympy.Function):
+        """``gcd(32, D)``."""
 
+        @classmethod
+        def eval(cls, d):
+            if d.is_Integer:
+                return sympy.Integer(value_group(int(d)))
+            return None
 
-class nuq_outliers(sympy.Function):
-    """``max(1, D // 100)``: outliers per token, for bytes-per-token expressions."""
+    class nuq_outliers(sympy.Function):
+        """``max(1, D // 100)``: outliers per token."""
 
-    @classmethod
-    def eval(cls, d):
-        if d.is_Integer:
-            return sympy.Integer(outliers_per_token(int(d)))
-        return None
+        @classmethod
+        def eval(cls, d):
+            if d.is_Integer:
+                return sympy.Integer(outliers_per_token(int(d)))
+            return None
+
+    return nuq_value_group, nuq_outliers
 
 
 def pack4(codes: torch.Tensor) -> torch.Tensor:
@@ -289,7 +303,9 @@ class Nuq4(Scheme):
             codebooks, source = default_codebooks()
         if not isinstance(codebooks, dict):
             codebooks = {p: codebooks for p in type(self).page_sizes}
+        # Levels stay tuples of floats (planning and compiling read only them); codebook() builds the tensor.
         self.codebooks = {int(p): check_codebook(cb, f"scheme {self.name}, page {p}") for p, cb in sorted(codebooks.items())}
+        self._tensors: dict[int, torch.Tensor] = {}
         self.codebook_source = source or "given"
         # The page sizes this instance can serve are those it has a codebook for.
         self.page_sizes = tuple(p for p in type(self).page_sizes if p in self.codebooks)
@@ -302,12 +318,17 @@ class Nuq4(Scheme):
         return type(self)(*read_codebooks(codebook))
 
     def codebook(self, page_size: int) -> torch.Tensor:
-        """The 16 float32 levels used for pages of ``page_size`` tokens."""
+        """The 16 float32 levels used for pages of ``page_size`` tokens, as a CPU tensor (built once, then cached;
+        callers must not modify it)."""
+        cached = self._tensors.get(page_size)
+        if cached is not None:
+            return cached
         try:
-            return self.codebooks[page_size]
+            levels = self.codebooks[page_size]
         except KeyError:
             raise KvgenError(f"scheme {self.name} has no codebook for page size {page_size} "
                              f"(has {sorted(self.codebooks)}); pass --page-size or refit with 'kvgen nuq calibrate'") from None
+        return self._tensors.setdefault(page_size, torch.tensor(levels, dtype=torch.float32))
 
     # -- layout -----------------------------------------------------------
     def page_tensors(self, head_dim: int, page_size: int) -> tuple[PageTensor, ...]:
@@ -328,6 +349,9 @@ class Nuq4(Scheme):
 
     def bytes_per_token_expr(self) -> sympy.Expr:
         # Exact for every D: the outlier count and value group are not linear in D.
+        from kvgen.plugin_api import D, P  # sympy symbols: sympy loads here, never for planning
+
+        nuq_value_group, nuq_outliers = _sympy_functions()
         codes = 2 * D / 2                        # K and V, 4 bits each
         k_meta = 2 * 2 * D / P                   # k_scale + k_zero per page
         outliers = 3 * nuq_outliers(D)           # uint8 index + float16 value
@@ -389,7 +413,7 @@ class Nuq4(Scheme):
             **super().params(),
             # JSON object keys are strings; the macros index them with L.PAGE | string.
             "codebooks": {str(p): [float(c) for c in cb] for p, cb in self.codebooks.items()},
-            "thresholds": {str(p): [float(m) for m in midpoints(cb)] for p, cb in self.codebooks.items()},
+            "thresholds": {str(p): list(level_midpoints(cb)) for p, cb in self.codebooks.items()},
             "codebook_source": self.codebook_source,
             "key_group": "page",
             "key_outliers": "max(1, D // 100) per token, fp16",

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from kvgen_nuq.codebook import (CodebookError, check_codebook, fit_codebook, load_codebooks, normalized_inliers,
-                                rms_error, save_codebooks)
+from kvgen_nuq.codebook import (CodebookError, check_codebook, fit_codebook, level_midpoints, load_codebooks, midpoints,
+                                normalized_inliers, rms_error, save_codebooks)
 
 
 def test_fit_recovers_known_centers():
@@ -75,9 +75,11 @@ def test_codebook_file_roundtrip(tmp_path):
     save_codebooks(path, fits, {"model": "m", "keys": "post-rope"})
     data = load_codebooks(path)
     assert data["model"] == "m" and sorted(data["codebooks"]) == [16, 64]
-    assert torch.equal(data["codebooks"][16]["pooled"], cb)              # float32 values written exactly
-    assert torch.equal(data["codebooks"][16]["layers"][1], (cb * 0.9).float())
-    assert torch.equal(data["codebooks"][64]["pooled"], (cb * 0.8).float())
+    # float32 values written exactly; read back as tuples of floats (no torch needed to load a codebook)
+    assert isinstance(data["codebooks"][16]["pooled"], tuple)
+    assert data["codebooks"][16]["pooled"] == tuple(cb.tolist())
+    assert data["codebooks"][16]["layers"][1] == tuple((cb * 0.9).float().tolist())
+    assert data["codebooks"][64]["pooled"] == tuple((cb * 0.8).float().tolist())
 
 
 @pytest.mark.parametrize("content", [
@@ -98,7 +100,28 @@ def test_bad_codebook_files(tmp_path, content):
 
 
 def test_check_codebook():
-    assert check_codebook(range(16)).dtype == torch.float32
-    for bad in ([1.0] * 16, [float("nan")] + list(range(15)), ["a"] * 16):
+    assert check_codebook(range(16)) == tuple(float(i) for i in range(16))
+    # levels are rounded to float32, as the kernels (and torch.tensor(..., float32)) hold them
+    levels = [i / 10 - 0.75 for i in range(16)]
+    assert check_codebook(levels) == tuple(torch.tensor(levels, dtype=torch.float32).tolist())
+    assert check_codebook(torch.linspace(-1, 1, 16)) == tuple(torch.linspace(-1, 1, 16).tolist())
+    for bad in ([1.0] * 16, [float("nan")] + list(range(15)), ["a"] * 16, list(range(15)), 3,
+                [-1e39] + list(range(15)),                                   # -inf once stored as float32
+                [0.0, 1e-46] + list(range(2, 16)),                           # 1e-46 is float32 0.0: not ascending
+                [[0.0]] + list(range(1, 16))):
         with pytest.raises(CodebookError):
             check_codebook(bad)
+
+
+@pytest.mark.parametrize("name", ["stories260K", "smollm2-135m"])
+def test_thresholds_without_torch_equal_torch_midpoints(name):
+    # The kernels bake in level_midpoints (plain Python, so compiling needs no torch); the torch reference
+    # encodes with midpoints: codes match only if both give the same float32 values, bit for bit.
+    from kvgen_nuq.scheme import read_codebooks
+
+    books, _ = read_codebooks(name)
+    rng = torch.Generator().manual_seed(0)
+    random = [tuple(torch.sort(torch.randn(16, generator=rng) * 10.0 ** e).values.tolist()) for e in range(-40, 38, 6)]
+    for levels in [*books.values(), *random]:
+        levels = check_codebook(levels)
+        assert level_midpoints(levels) == tuple(midpoints(torch.tensor(levels)).tolist()), levels

@@ -141,10 +141,15 @@ def test_bytes_per_token_vs_int4(scheme):
     assert scheme.bytes_per_token_per_kv_head(128, 16) == 179
     int4 = 64 + 2 * 2 * 128 / 16 + 64 + 2 * 2 * 128 / 32     # KIVI int4, same K/V groups, no outliers
     assert scheme.bytes_per_token_per_kv_head(128, 16) - int4 == 3
+    from kvgen.schemes import symbols
+
+    expr, (sym_d, sym_p) = scheme.bytes_per_token_expr(), symbols()
     for d in (8, 64, 80, 96, 128, 256):
         for p in (8, 16, 32, 64, 128):
             declared = sum(t.nbytes_per_page_head(torch.float16) for t in scheme.page_tensors(d, p)) / p
             assert math.isclose(scheme.bytes_per_token_per_kv_head(d, p), declared), (d, p)
+            # the formula (sympy) says the same as the page tensors the planner counts (no sympy)
+            assert expr.subs({sym_d: d, sym_p: p}) == scheme.page_bytes_per_token(d, p), (d, p)
 
 
 def test_capabilities(scheme):
