@@ -71,8 +71,11 @@ def plan_scheme(plan: Plan, registry: Registry | None = None) -> Scheme:
     """
     registry = registry or default_registry()
     if plan.scheme not in registry.schemes:
-        raise UnknownSchemeError(f"plan {plan.name} uses scheme {plan.scheme!r}, which no installed plugin registers; "
-                                 f"known: {', '.join(sorted(registry.schemes))}")
+        from kvgen.schemes import unknown_scheme_error  # (loaded already: kvgen.schemes is imported above)
+
+        # It names the plugin that failed (or that KVGEN_PLUGINS left out) when the registry knows.
+        error = unknown_scheme_error(plan.scheme, registry.schemes)
+        raise UnknownSchemeError(f"plan {plan.name}: {error}")
     scheme = registry.schemes[plan.scheme].with_options(**(plan.scheme_options or {}))
     if json.dumps(scheme.params(), sort_keys=True) != json.dumps(plan.scheme_params, sort_keys=True):
         raise PlanError(f"plan {plan.name}: scheme {scheme.label} now has other parameters than the plan recorded "

@@ -42,12 +42,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kvgen.errors import UnknownSchemeError
 from kvgen.eval import BACKENDS, EvalError
 from kvgen.eval.assets import Window
 from kvgen.eval.cache import PagedReferenceCache
 from kvgen.eval.metrics import SchemeScore, score
 from kvgen.integrations.hf_config import head_dim as hf_head_dim
-from kvgen.schemes import Scheme, parse_scheme_spec, resolve_scheme
+from kvgen.schemes import Scheme, parse_scheme_spec, resolve_scheme, unknown_scheme_error
 
 BASELINE = "fp32"
 PREFILL_CHUNK_KV = "fresh"
@@ -88,10 +89,13 @@ def resolve_schemes(spec: str | Sequence[str], registry_schemes: dict[str, Schem
     if items == ["all"]:
         return [registry_schemes[n] for n in sorted(registry_schemes, key=lambda n: (registry_schemes[n].precision_rank(), n))
                 if n != BASELINE]
-    unknown = [n for n in items if parse_scheme_spec(n)[0] not in registry_schemes]
+    unknown = [name for name in (parse_scheme_spec(n)[0] for n in items) if name not in registry_schemes]
     if unknown:
-        raise EvalError(f"unknown scheme {', '.join(map(repr, unknown))} in --kv; registered: "
-                        f"{', '.join(sorted(registry_schemes))} (or 'all')")
+        # The shared error says when the scheme's plugin failed to load or KVGEN_PLUGINS left it out.
+        error = unknown_scheme_error(unknown[0], registry_schemes)
+        if len(unknown) > 1:
+            error = UnknownSchemeError(f"{error}; also unknown: {', '.join(map(repr, unknown[1:]))}")
+        raise error
     out: dict[str, Scheme] = {}
     for item in items:
         scheme = resolve_scheme(item, registry_schemes)

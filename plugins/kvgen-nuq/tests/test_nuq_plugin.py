@@ -52,6 +52,33 @@ def test_shipped_codebooks_by_name(monkeypatch):
         Nuq4()
 
 
+def test_every_path_to_nuq4_says_its_plugin_failed(monkeypatch, tmp_path):
+    # A bad default codebook makes the nuq plugin's scheme hook fail: planning (attach's path), kvgen eval's
+    # scheme list and compiling a saved plan all say so, instead of "unknown scheme" alone (issue 13, item 5).
+    from kvgen.codegen.package import plan_scheme
+    from kvgen.errors import UnknownSchemeError
+    from kvgen.eval.runner import resolve_schemes
+    from kvgen.models import resolve_model
+    from kvgen.planner.planner import make_plan
+    from kvgen.planner.workload import Workload
+    from kvgen.targets import resolve_target
+
+    model, target = resolve_model("llama-3-8b"), resolve_target("h100")
+    saved = make_plan(model, target, Workload(), load_registry().schemes, kv="nuq4")  # planned while nuq worked
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    monkeypatch.setenv(CODEBOOK_ENV, str(bad))
+    broken = load_registry()
+    assert "nuq4" not in broken.schemes and "int8" in broken.schemes
+    failed = r"unknown --kv scheme 'nuq4'; plugin nuq \(kvgen-nuq.*\) failed to load \(kvgen_register_schemes: CodebookError"
+    with pytest.raises(UnknownSchemeError, match=failed):
+        make_plan(model, target, Workload(), broken.schemes, kv="nuq4:codebook=stories260K")
+    with pytest.raises(UnknownSchemeError, match=failed):
+        resolve_schemes("int8,nuq4", broken.schemes)
+    with pytest.raises(UnknownSchemeError, match=f"plan {saved.name}: " + failed):
+        plan_scheme(saved, broken)
+
+
 def test_show_command(capsys):
     assert main(["nuq", "show", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -83,7 +110,7 @@ def test_calibrate_on_stories260k(tmp_path, stories260k, story_text, capsys, mon
     monkeypatch.setenv(CODEBOOK_ENV, str(out))
     scheme = Nuq4()
     assert scheme.page_sizes == (16, 32) and str(out) in scheme.codebook_source
-    assert torch.equal(scheme.codebook(16), data["codebooks"][16]["pooled"])
+    assert scheme.codebook(16).tolist() == list(data["codebooks"][16]["pooled"])
 
 
 def test_calibrate_pre_rope(tmp_path, stories260k, story_text):
