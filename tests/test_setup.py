@@ -59,7 +59,8 @@ def test_kvgen_wheel_builds_without_warnings_and_ships_kvgen_only(tmp_path):
     # missing from pyproject's package list fails here)...
     expected = {p.relative_to(REPO).as_posix() for p in (REPO / "kvgen").rglob("*.py") if "__pycache__" not in p.parts}
     expected |= {"kvgen_plugins/" + p.name for p in (REPO / "plugins").glob("*.py")}
-    expected |= {"kvgen_plugins/macros/" + p.name for p in (REPO / "plugins" / "macros").glob("*.j2")}
+    expected |= {"kvgen_plugins/macros/" + p.relative_to(REPO / "plugins" / "macros").as_posix()
+                 for p in (REPO / "plugins" / "macros").rglob("*.j2")}
     expected |= {"kvgen_templates/" + p.relative_to(REPO / "templates").as_posix()
                  for p in (REPO / "templates").rglob("*") if p.suffix in (".py", ".j2")}
     assert expected - names == set()
