@@ -15,6 +15,21 @@ def test_imports_do_not_load_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_top_level_names_as_in_vllm():
+    code = ("import sys\n"
+            "from kvgen import LLM, SamplingParams, LLMEngine, RequestOutput, CompletionOutput\n"
+            "import kvgen.engine\n"
+            "assert LLM is kvgen.engine.LLM and SamplingParams is kvgen.engine.SamplingParams\n"
+            "assert 'torch' not in sys.modules\n"
+            "try:\n"
+            "    from kvgen import NoSuchThing\n"
+            "except ImportError:\n"
+            "    pass\n"
+            "else:\n"
+            "    raise AssertionError('unknown names must not import')\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_generate_parser_wires_run_generate():
     import argparse
 
