@@ -17,10 +17,12 @@ def test_imports_do_not_load_torch():
 
 def test_top_level_names_as_in_vllm():
     code = ("import sys\n"
-            "from kvgen import LLM, SamplingParams, LLMEngine, RequestOutput, CompletionOutput\n"
+            "from kvgen import LLM, SamplingParams\n"
+            "assert 'torch' not in sys.modules\n"
+            "from kvgen import LLMEngine, RequestOutput, CompletionOutput\n"
             "import kvgen.engine\n"
             "assert LLM is kvgen.engine.LLM and SamplingParams is kvgen.engine.SamplingParams\n"
-            "assert 'torch' not in sys.modules\n"
+            "assert LLMEngine is kvgen.engine.LLMEngine\n"
             "try:\n"
             "    from kvgen import NoSuchThing\n"
             "except ImportError:\n"
