@@ -265,10 +265,6 @@ class BlockManager:
         n = len(self._pool(pool).free)
         return n + len(self._lru) if pool == COMPRESSED else n
 
-    def num_pages(self, pool: str) -> int:
-        """Size of ``pool``: referenced plus free plus evictable pages."""
-        return self._pool(pool).size
-
     def ref_count(self, pool: str, page: int) -> int:
         """Number of block-table references to ``page`` of ``pool``."""
         p = self._pool(pool)

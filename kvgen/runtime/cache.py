@@ -463,11 +463,11 @@ class KVCache:
         pools = self._layer(layer)
         if not step.is_decode:
             raise KvgenRuntimeError("decode needs a step adding one token per sequence; use prefill for this step")
+        q = self._as_input("q", q, step.batch, self.num_q_heads)  # checked before anything is written
+        out = self._out(out, q)
         if k is not None or v is not None:
             self.append_kv(layer, None, k, v)
         self._check_written(step, layer)
-        q = self._as_input("q", q, step.batch, self.num_q_heads)
-        out = self._out(out, q)
         self.kernels["decode"].launch(q, out, pools, step.block_tables, step.seq_lens, step.num_compressed,
                                       self.sm_scale if sm_scale is None else sm_scale,
                                       config=step.configs.get("decode"))
@@ -493,13 +493,13 @@ class KVCache:
         pools = self._layer(layer)
         if (k is None) != (v is None):
             raise KvgenRuntimeError("pass both k and v (the step's new K/V) to prefill, or neither")
+        q = self._as_input("q", q, step.total_tokens, self.num_q_heads)  # checked before anything is written
+        out = self._out(out, q)
         if k is not None:
             k = self._as_input("k", k, step.total_tokens, self.num_kv_heads)
             v = self._as_input("v", v, step.total_tokens, self.num_kv_heads)
             self._write(step, layer, pools, k, v)
         self._check_written(step, layer)
-        q = self._as_input("q", q, step.total_tokens, self.num_q_heads)
-        out = self._out(out, q)
         if "prefill" not in step.configs:  # a decode step run through prefill
             step.configs["prefill"] = self._config("prefill", (step.batch, max(1, step.max_q_len), step.max_seq_len))
         self.kernels["prefill"].launch(q, out, pools, step.block_tables, step.seq_lens, step.num_compressed,
