@@ -13,6 +13,12 @@ flat tokens; ``attend(layer, q, k, v)`` (``q [T, Hq, D]``, ``k``/``v``
 ``[T, Hkv, D]``, after RoPE) returns ``[T, Hq, D]``. The engine passes the
 runtime's prefill or decode op there, or, inside a CUDA graph, the kernels
 on static buffers.
+
+Tensor parallelism (``shard=`` a :class:`~kvgen.engine.shard.TPShard`):
+the layers hold the rank's rows of q/k/v and gate/up and its columns of o
+and down (same checkpoint names, smaller shapes); o and down sum their
+partial outputs over the ranks with ``torch.distributed.all_reduce``
+(capturable in a CUDA graph with NCCL). Without a shard nothing changes.
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .config import ModelConfig
 from .rope import Rotary
+from .shard import TPShard
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -52,6 +60,23 @@ class Linear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
+class RowParallelLinear(Linear):
+    """A Linear holding its input columns of this rank: ``y = all_reduce(x W_r^T) + b`` (bias whole, added once)."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, shard: TPShard) -> None:
+        super().__init__(n_in, n_out, bias)
+        self.shard = shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.linear(x, self.weight)
+        dist.all_reduce(y, group=self.shard.group)  # the group is set after the model is built
+        return y if self.bias is None else y + self.bias
+
+
+def _out_linear(n_in: int, n_out: int, bias: bool, shard: TPShard | None) -> Linear:
+    return Linear(n_in, n_out, bias) if shard is None else RowParallelLinear(n_in, n_out, bias, shard)
+
+
 class RMSNorm(nn.Module):
     """Hugging Face's LlamaRMSNorm: normalize in float32, cast back, then scale."""
 
@@ -66,10 +91,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         H, nq, nkv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+        if shard is not None:  # this rank's heads only
+            nq, nkv = len(shard.q_heads) * cfg.head_dim, len(shard.kv_heads) * cfg.head_dim
         # One [q+k+v, H] matrix (one GEMM per layer); q/k/v_proj are row views of it, named as in checkpoints.
         self.register_buffer("qkv_weight", torch.empty(nq + 2 * nkv, H), persistent=False)
         self.register_buffer("qkv_bias", torch.empty(nq + 2 * nkv) if cfg.qkv_bias else None, persistent=False)
@@ -79,7 +106,7 @@ class Attention(nn.Module):
             setattr(self, f"{name}_proj", Linear(H, n, cfg.qkv_bias, w.narrow(0, start, n),
                                                  None if b is None else b.narrow(0, start, n)))
         self.sizes = (nq, nkv, nkv)
-        self.o_proj = Linear(cfg.q_size, H, cfg.o_bias)
+        self.o_proj = _out_linear(nq, H, cfg.o_bias, shard)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -97,16 +124,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
-        H, I = cfg.hidden_size, cfg.intermediate_size
+        H, I = cfg.hidden_size, cfg.intermediate_size if shard is None else len(shard.inter)
         # gate and up as row views of one [2I, H] matrix: one GEMM per layer.
         self.register_buffer("gate_up_weight", torch.empty(2 * I, H), persistent=False)
         self.register_buffer("gate_up_bias", torch.empty(2 * I) if cfg.mlp_bias else None, persistent=False)
         w, b = self.gate_up_weight, self.gate_up_bias
         self.gate_proj = Linear(H, I, cfg.mlp_bias, w.narrow(0, 0, I), None if b is None else b.narrow(0, 0, I))
         self.up_proj = Linear(H, I, cfg.mlp_bias, w.narrow(0, I, I), None if b is None else b.narrow(0, I, I))
-        self.down_proj = Linear(I, H, cfg.mlp_bias)
+        self.down_proj = _out_linear(I, H, cfg.mlp_bias, shard)
         self.inter = I
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,32 +142,33 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
 
 class _Body(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size,
                                                                                               cfg.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """The whole decoder plus LM head. Build with :func:`kvgen.engine.weights.build_model`."""
+    """The whole decoder plus LM head (``shard``: one rank's share). Build with :func:`kvgen.engine.weights.build_model`."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, shard: TPShard | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.max_positions = max_positions
-        self.model = _Body(cfg)
+        self.shard = shard
+        self.model = _Body(cfg, shard)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
         self.rotary: Rotary | None = None
 

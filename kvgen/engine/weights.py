@@ -1,4 +1,9 @@
-"""Build a :class:`CausalLM` on a device and fill it: from safetensors files, or random (benchmarks)."""
+"""Build a :class:`CausalLM` on a device and fill it: from safetensors files, or random (benchmarks).
+
+A tensor-parallel rank (``model.shard``) reads only its slice of each split
+tensor (``safe_open(...).get_slice``), and its random weights are the
+slices of the whole model's: every rank count gives the same model.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +15,19 @@ import torch
 from .config import ModelConfig
 from .errors import EngineError
 from .model import CausalLM
+from .shard import TPShard
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def build_model(cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """A CausalLM with uninitialized parameters allocated once on ``device`` in ``dtype``."""
+def build_model(cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype,
+                shard: TPShard | None = None) -> CausalLM:
+    """A CausalLM (``shard``: one rank's share) with uninitialized parameters allocated once on ``device`` in ``dtype``."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # allocate in the final dtype: no float32 copy of a large model
     try:
         with torch.device(device):
-            model = CausalLM(cfg, max_positions)
+            model = CausalLM(cfg, max_positions, shard)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
@@ -35,10 +42,20 @@ def random_weights(model: CausalLM, seed: int = 0) -> CausalLM:
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
-            else:
+            elif (split := _split(model, name)) is None:
                 p.normal_(0.0, 0.02, generator=gen)
+            else:  # draw the whole tensor, keep this rank's slice: the same model at every tp
+                dim, start, stop, full = split
+                shape = list(p.shape)
+                shape[dim] = full
+                whole = torch.empty(shape, dtype=p.dtype, device=p.device).normal_(0.0, 0.02, generator=gen)
+                p.copy_(whole.narrow(dim, start, stop - start))
     model.setup_rotary()
     return model
+
+
+def _split(model: CausalLM, name: str) -> tuple[int, int, int, int] | None:
+    return None if model.shard is None else model.shard.split_of(name, model.cfg)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -73,10 +90,20 @@ def load_weights(model: CausalLM, folder: str | Path) -> CausalLM:
                 if p is None:
                     raise EngineError(f"{path.name}: unexpected tensor {name}; is this a "
                                       f"{model.cfg.model_type} checkpoint matching config.json?")
-                t = f.get_tensor(name)
-                if tuple(t.shape) != tuple(p.shape):
-                    raise EngineError(f"{path.name}: {name} has shape {list(t.shape)}, the config implies "
-                                      f"{list(p.shape)}; the config and weights do not match")
+                split = _split(model, name)
+                want = list(p.shape)
+                if split is None:
+                    t = f.get_tensor(name)
+                    got = list(t.shape)
+                else:  # a rank reads only its rows or columns
+                    dim, start, stop, want[dim] = split
+                    part = f.get_slice(name)
+                    got = list(part.get_shape())
+                if got != want:
+                    raise EngineError(f"{path.name}: {name} has shape {got}, the config implies "
+                                      f"{want}; the config and weights do not match")
+                if split is not None:
+                    t = part[start:stop] if dim == 0 else part[:, start:stop]
                 with torch.no_grad():
                     p.copy_(t.to(p.dtype))
                 seen.add(name)
