@@ -30,6 +30,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-tokens", type=int, default=None, help="KV capacity in tokens (default: the plan's)")
     p.add_argument("--device", default=None, help="torch device (default: the GPU, else the CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: one process per GPU (0..N-1), or per rank on the CPU (default 1)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     if not any(a.dest == "json" for a in p._actions):
         p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
@@ -40,10 +42,18 @@ def run(args: argparse.Namespace) -> int:
     from .sampling_params import SamplingParams
 
     llm = LLM(args.model, kv=args.kv, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_tokens=args.cache_tokens, device=args.device, enforce_eager=args.enforce_eager, max_num_seqs=1)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+              max_tokens=args.cache_tokens, device=args.device, enforce_eager=args.enforce_eager, max_num_seqs=1,
+              tp=getattr(args, "tp", 1))
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        return _stream(llm, prompt, params, args)
+    finally:
+        llm.close()
+
+
+def _stream(llm, prompt, params, args: argparse.Namespace) -> int:
     shown = ""
     last = None
     for out in llm.stream(prompt, params):

@@ -105,6 +105,12 @@ class LLMEngine:
                 self.scheduler.remove(seq)
                 seq.completion.finish_reason = "abort"
 
+    def close(self) -> None:
+        """Release what the runner holds beyond this process (tensor-parallel workers); idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -20,14 +20,26 @@ class LLM:
     config's on a GPU, float32 on the CPU). ``max_num_seqs``,
     ``max_model_len``, ``max_tokens`` (KV capacity in tokens),
     ``max_num_batched_tokens``, ``device``, ``enforce_eager`` (no CUDA
-    graphs); see :func:`kvgen.engine.loader.build_engine`. ``llm.engine`` is
-    the :class:`LLMEngine` (``add_request``/``step``/``abort_request``).
+    graphs), ``tp`` (tensor-parallel ranks: processes on GPUs 0..tp-1, or
+    on the CPU); see :func:`kvgen.engine.loader.build_engine`. ``llm.engine``
+    is the :class:`LLMEngine` (``add_request``/``step``/``abort_request``).
+    ``close()`` (or ``with LLM(...) as llm``) stops tensor-parallel workers
+    at once; otherwise they stop when the LLM is collected or at exit.
     """
 
     def __init__(self, model: str | None = None, kv: str = "int8", **kwargs: Any) -> None:
         from .loader import build_engine
 
         self.engine = build_engine(model, kv=kv, **kwargs)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

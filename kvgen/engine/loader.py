@@ -5,6 +5,9 @@ Plans the KV cache for the model and the device (the detected GPU, or the
 the plan into the cache directory (a no-op when already compiled), loads the
 runtime with the requested capacity, builds the model, loads its weights,
 optionally captures decode CUDA graphs, and prints a one-line summary.
+
+``tp=N`` (N > 1) shards the model over N processes, this one being rank 0
+(:mod:`kvgen.engine.parallel`); tp=1 starts no process and imports none of it.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
                  max_model_len: int | None = None, max_tokens: int | None = None,
                  max_num_batched_tokens: int | None = None, page_size: int | None = None, target: str | None = None,
                  enforce_eager: bool = False, config: dict[str, Any] | None = None, seed: int = 0,
-                 autotune: bool = True, verbose: bool = True) -> LLMEngine:
+                 autotune: bool = True, verbose: bool = True, tp: int = 1) -> LLMEngine:
     """An engine for the model folder ``model`` (or, with ``config=`` a config.json dict, random weights).
 
     ``kv``: the KV-cache scheme (``bf16``, ``int8``, ``int4``, ... with
@@ -83,6 +86,8 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     ``max_num_seqs``/``max_num_batched_tokens``: the scheduler's batch
     limits (defaults from the capacity). ``enforce_eager``: no CUDA graphs.
     ``autotune``: tune eager kernel configs on the GPU (graphs use the kernels' shape defaults).
+    ``tp``: tensor-parallel ranks (rank r on cuda:r, NCCL; or gloo processes
+    on the CPU); ``engine.close()`` stops them (also at exit).
     """
     from kvgen.integrations.transformers import compile_for_model, plan_for_model
     from kvgen.runtime import default_device
@@ -98,6 +103,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     else:
         cfg = ModelConfig.from_dict(config, "config")
     dev = torch.device(device) if device is not None else default_device()
+    dev = check_tp(tp, dev)
     torch_dtype = resolve_dtype(dtype, cfg, dev)
     if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
         raise EngineError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
@@ -108,15 +114,17 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
                           f"{' (sliding window)' if cfg.sliding_window else ''}; lower it")
     shim = types.SimpleNamespace(config=_hf_config(folder, cfg, config), dtype=torch_dtype, device=dev)
     plan = plan_for_model(shim, kv, device=dev, target=target, context=max_model_len or limit,
-                          concurrency=max_num_seqs or 1, page_size=page_size)
+                          concurrency=max_num_seqs or 1, page_size=page_size, tp=tp)
     package = compile_for_model(plan)
     if max_tokens is None:
         if dev.type == "cuda":
             max_tokens = plan.capacity_tokens
         else:
             max_tokens = min(plan.capacity_tokens, max((max_model_len or limit) * (max_num_seqs or 4), 16384))
-    cache = package.load(device=dev, max_tokens=max_tokens, autotune=autotune and dev.type == "cuda",
-                         max_seqs=max_num_seqs or 4)
+    autotune = autotune and dev.type == "cuda"
+    cache_seqs = max_num_seqs or 4
+    cache = package.load(device=dev, max_tokens=max_tokens, autotune=autotune, max_seqs=cache_seqs, tp_rank=0,
+                         tp_size=tp)
     capacity = cache.capacity_tokens
     if max_model_len is None:
         max_model_len = min(limit, capacity)
@@ -130,11 +138,6 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
         raise EngineError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
-    net = build_model(cfg, max_model_len, dev, torch_dtype)
-    if folder is None:
-        random_weights(net, seed)
-    else:
-        load_weights(net, folder)
     tokenizer = None
     if folder is not None and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
                                                                      "tokenizer_config.json")):
@@ -145,14 +148,55 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
         print(f"kvgen: {plan.model} kv={plan.scheme} dtype={str(torch_dtype).replace('torch.', '')} "
               f"page={cache.page_size} capacity={capacity} tokens ({capacity // max_model_len} x {max_model_len}-token "
               f"sequences) max_num_seqs={max_num_seqs} max_num_batched_tokens={max_num_batched_tokens} "
-              f"device={dev} graphs={'on' if use_graphs else 'off'}", file=sys.stderr)
-    graphs = None
-    if use_graphs:
-        from .graphs import DecodeGraphs
-        graphs = DecodeGraphs(net, cache, max_num_seqs, max_model_len, verbose=verbose)
-    engine = LLMEngine(ModelRunner(net, cache, graphs), cache, tokenizer, max_model_len=max_model_len,
+              f"device={dev} graphs={'on' if use_graphs else 'off'}{f' tp={tp}' if tp > 1 else ''}", file=sys.stderr)
+    if tp > 1:
+        from .parallel import RankSpec, start_ranks
+
+        spec = RankSpec(world=tp, store="", backend="nccl" if dev.type == "cuda" else "gloo", device_type=dev.type,
+                        cfg=cfg, plan=plan, folder=None if folder is None else str(folder), seed=seed,
+                        dtype=torch_dtype, max_tokens=max_tokens, cache_seqs=cache_seqs, autotune=autotune,
+                        max_model_len=max_model_len, max_num_seqs=max_num_seqs, use_graphs=use_graphs)
+        runner, cache = start_ranks(spec, cache, verbose)
+    else:
+        net = build_model(cfg, max_model_len, dev, torch_dtype)
+        if folder is None:
+            random_weights(net, seed)
+        else:
+            load_weights(net, folder)
+        graphs = None
+        if use_graphs:
+            from .graphs import DecodeGraphs
+            graphs = DecodeGraphs(net, cache, max_num_seqs, max_model_len, verbose=verbose)
+        runner = ModelRunner(net, cache, graphs)
+    engine = LLMEngine(runner, cache, tokenizer, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        eos_token_ids=_eos_ids(folder, cfg, tokenizer), vocab_size=cfg.vocab_size)
     engine.plan = plan
     engine.model_config = cfg
+    engine.tp = tp
     return engine
+
+
+def check_tp(tp: Any, device: torch.device) -> torch.device:
+    """Validate ``tp`` for ``device``; returns rank 0's device (cuda:0 for tp > 1 on GPUs)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise EngineError(f"tp must be an int >= 1 (tensor-parallel ranks), got {tp!r}")
+    if tp == 1:
+        return device
+    if device.type == "cuda":
+        if device.index not in (None, 0):
+            raise EngineError(f"with tp={tp} rank r runs on cuda:r; pass device='cuda' (not {device}) and choose "
+                              f"the GPUs with CUDA_VISIBLE_DEVICES")
+        if torch.cuda.device_count() < tp:
+            raise EngineError(f"tp={tp} needs {tp} GPUs, {torch.cuda.device_count()} are visible; lower tp")
+        device = torch.device("cuda", 0)
+    elif device.type != "cpu":
+        raise EngineError(f"tp > 1 runs on CUDA GPUs (NCCL) or the CPU (gloo), not on {device.type}")
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise EngineError("this torch build lacks torch.distributed; tp > 1 needs it")
+    if dist.is_initialized():
+        raise EngineError("torch.distributed is already initialized in this process; tp > 1 starts its own "
+                          "process group, so build the engine in a process without one (or use tp=1)")
+    return device

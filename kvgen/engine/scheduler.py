@@ -33,9 +33,12 @@ def out_of_pages_types(cache: Any) -> tuple[type, ...]:
     """The OutOfPages classes ``cache`` may raise: kvgen.runtime's, and its generated package's own copy.
 
     A generated package ships a verbatim copy of the runtime, so its errors
-    are distinct classes from ``kvgen.runtime.errors``'.
+    are distinct classes from ``kvgen.runtime.errors``'. A wrapper of the
+    cache (tensor parallelism's recorder) names it as ``__wrapped__``.
     """
     from kvgen.runtime.errors import OutOfPages  # torch-free module
+
+    cache = getattr(cache, "__wrapped__", cache)
 
     found = [OutOfPages]
     errors = sys.modules.get(type(cache).__module__.rpartition(".")[0] + ".errors")

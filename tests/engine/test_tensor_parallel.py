@@ -1,0 +1,116 @@
+"""The engine at tp=2 and tp=4 (gloo worker processes, Triton interpreter) generates what tp=1 does.
+
+stories260K has 8 query / 4 KV heads: tp=2 gives each rank 4 / 2, tp=4
+gives 2 / 1. The tp=2 run uses a page budget small enough to preempt and a
+request with n=2 (a fork), so every kind of cache call the scheduler makes
+is replayed on the worker. Sizes are tiny: an interpreted step costs about
+0.25 s per sequence on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kvgen.engine import EngineError, SamplingParams  # noqa: E402
+from kvgen.engine.llm import LLM  # noqa: E402
+from kvgen.errors import KvgenError  # noqa: E402
+
+PROMPTS = ["The little dog ran to the park and saw a big red ball. He", "Once upon a time", "Lily"]
+TOKENS = 6
+# 48 tokens of pages (3 pages of 16) for 4 completions of up to 20 tokens: the scheduler must preempt.
+SMALL = dict(kv="fp32", max_tokens=48, max_model_len=48, max_num_seqs=4, verbose=False)
+
+
+def params(n_tokens: int = TOKENS) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=n_tokens, min_tokens=n_tokens, n=2 if i == 1 else 1)
+            for i in range(len(PROMPTS))]
+
+
+def token_ids(outs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def stories(shared_data):
+    return str(shared_data / "models" / "stories260K")
+
+
+@pytest.fixture(scope="module")
+def tp1(stories):
+    from kvgen.engine.parallel import RecordingCache
+    from kvgen.engine.runner import ModelRunner
+
+    with LLM(stories, **SMALL) as llm:
+        eng = llm.engine
+        assert type(eng.runner) is ModelRunner and not isinstance(eng.cache, RecordingCache)  # no processes
+        outs = token_ids(llm.generate(PROMPTS, params()))
+        assert eng.scheduler.num_preemptions > 0
+    return outs
+
+
+def test_tp2_generates_tp1_tokens_with_preemption_and_forks(stories, tp1):
+    with LLM(stories, tp=2, **SMALL) as llm:
+        eng = llm.engine
+        assert eng.cache.num_kv_heads == 2 and list(eng.cache.kv_head_range()) == [0, 1]
+        outs = token_ids(llm.generate(PROMPTS, params()))
+        assert outs == tp1  # token for token, both completions of the forked request included
+        assert len(outs[1]) == 2 and eng.scheduler.num_preemptions > 0
+        info = eng.runner.rank_info()
+    assert [i["kv_heads"] for i in info] == [[0, 1], [2, 3]]
+    assert [i["q_heads"] for i in info] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for i in info:  # every rank ran every step, and every page came back on every rank
+        assert i["steps"] == info[0]["steps"] > 0
+        assert i["sequences"] == 0 and i["free_pages"] == i["pages"]
+    assert not eng.runner.workers.dead() or all(code == 0 for _, code in eng.runner.workers.dead())
+
+
+def test_tp4_one_kv_head_per_rank(stories, tp1):
+    with LLM(stories, tp=4, kv="fp32", max_tokens=256, max_num_seqs=2, verbose=False) as llm:
+        outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=3, min_tokens=3))
+        info = llm.engine.runner.rank_info()
+        workers = llm.engine.runner.workers
+    assert [o.outputs[0].token_ids for o in outs] == [tp1[0][0][:3], tp1[1][0][:3]]
+    assert [i["kv_heads"] for i in info] == [[0], [1], [2], [3]]
+    assert [p.returncode for p in workers.procs] == [0, 0, 0]  # close() stopped them
+
+
+def test_kvgen_generate_tp2_prints_tp1_tokens(stories, tp1, capsys):
+    import argparse
+    import json
+
+    from kvgen.engine import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_args(parser)
+    args = parser.parse_args(["--model", stories, "--prompt", PROMPTS[2], "--kv", "fp32", "--max-tokens", "3",
+                              "--ignore-eos", "--tp", "2", "--max-model-len", "48", "--json"])
+    assert cli.run(args) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == tp1[2][0][:3]
+
+
+@pytest.mark.parametrize("tp", [3, 6])
+def test_tp_that_does_not_divide_the_heads_is_refused_before_any_process(stories, tp, monkeypatch):
+    from kvgen.engine import parallel
+
+    monkeypatch.setattr(parallel, "Workers", lambda *a, **k: pytest.fail("a worker was started"))
+    with pytest.raises(KvgenError, match=f"--tp {tp} does not divide"):
+        LLM(stories, tp=tp, **SMALL)
+
+
+@pytest.mark.parametrize("tp", [0, -2, 1.5, "2", True])
+def test_tp_must_be_a_positive_int(stories, tp):
+    with pytest.raises(EngineError, match="tp must be an int >= 1"):
+        LLM(stories, tp=tp, **SMALL)
+
+
+def test_tp_on_a_gpu_index_other_than_0_is_refused(stories):
+    from kvgen.engine.loader import check_tp
+
+    with pytest.raises(EngineError, match="rank r runs on cuda:r"):
+        check_tp(2, torch.device("cuda", 1))
+    with pytest.raises(EngineError, match="CUDA GPUs .NCCL. or the CPU"):
+        check_tp(2, torch.device("meta"))
+    assert check_tp(1, torch.device("cuda", 3)) == torch.device("cuda", 3)  # tp=1: whatever device was asked
