@@ -117,17 +117,90 @@ def bench(cfg):
     return lambda: abs(cfg["tile"] - 32) + cfg["warps"]
 
 
+class FakeClock:
+    """Wall seconds that move only when a fake kernel runs or a fake bench input is made."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def clocked_bench(clock, first_s, run_s, inputs_s=0.0, log=None):
+    """make_bench whose first call per compiled variant costs ``first_s`` (compile), later ones ``run_s``.
+
+    The first make_bench call costs ``inputs_s`` (the bucket's synthetic inputs).
+    """
+    built: set = set()
+    state = {"inputs": False}
+
+    def make(cfg):
+        if not state["inputs"]:
+            state["inputs"] = True
+            clock.now += inputs_s
+
+        def fn():
+            variant = tuple(sorted((k, v) for k, v in cfg.items() if k != "num_splits"))
+            clock.now += run_s if variant in built else first_s
+            built.add(variant)
+            if log is not None:
+                log.append(dict(cfg))
+            return abs(cfg["tile"] - 32) + cfg["warps"]
+        return fn
+    return make
+
+
+class CountingTimer:
+    """do_bench stand-in: runs fn a few times (each run advances the fake clock)."""
+
+    def __init__(self, runs=3):
+        self.calls, self.runs = 0, runs
+
+    def __call__(self, fn):
+        self.calls += 1
+        return min(fn() for _ in range(self.runs))
+
+
 def test_tuning_is_pruned_and_budgeted(tmp_path):
     timer = Timer()
     t = Autotuner("cpu", force=True, timer=timer, directory=tmp_path, stream=io.StringIO())
     t.config("decode", fake_module(), (4, 256), bench, kernel_hash="ab" * 8)
     assert timer.calls == MAX_CANDIDATES < len(fake_module().candidates())
-    slow = Timer(sleep=0.05)
-    t = Autotuner("cpu", force=True, timer=slow, directory=tmp_path, stream=io.StringIO(), budget_s=0.08)
-    t.config("decode", fake_module(), (4, 4096), bench, kernel_hash="ab" * 8)
-    assert 2 <= slow.calls <= 3  # stops starting candidates once the budget is spent
-    entry = t.cached(t.identity(fake_module(), "ab" * 8))["decode/b4/s4096"]
-    assert entry["candidates"] == slow.calls
+
+
+def test_budget_never_starts_a_candidate_that_would_end_past_it(tmp_path):
+    """Inputs 0.5 s, then each candidate 1.5 s (a compile) + 3 x 0.1 s (timing): the old rule (start while
+    under budget) started a third at 4.1 s and ended at 5.9 s; the new one stops after two, at 4.1 s."""
+    clock, timer, log = FakeClock(), CountingTimer(), []
+    t = Autotuner("cpu", force=True, timer=timer, directory=tmp_path, stream=io.StringIO(), clock=clock,
+                  budget_s=5.0)
+    entry = t.tune("decode", fake_module(), (4, 4096), clocked_bench(clock, 1.5, 0.1, inputs_s=0.5, log=log),
+                   kernel_hash="cd" * 8)
+    assert entry["candidates"] == timer.calls == 2
+    assert entry["seconds"] == pytest.approx(0.5 + 2 * (1.5 + 3 * 0.1))  # inputs are in the budget
+    assert entry["seconds"] <= 5.0
+    # every candidate is compiled by one call before it is timed: the timer never sees the compile
+    assert len(log) == 2 * (1 + timer.runs)
+
+
+def test_budget_lets_cheap_split_neighbours_run_after_a_compile(tmp_path):
+    """Candidates differing only in num_splits reuse a compiled variant: predicted at their own (run) cost."""
+    clock, timer = FakeClock(), CountingTimer()
+    mod = fake_module()
+    mod.candidates = lambda *shape: [{"num_splits": s, "tile": t, "warps": 4} for t in (32, 64) for s in (1, 2, 4, 8)]
+    mod.default_config = lambda *shape, device=None: {"num_splits": 1, "tile": 32, "warps": 4}
+    t = Autotuner("cpu", force=True, timer=timer, directory=tmp_path, stream=io.StringIO(), clock=clock,
+                  budget_s=5.0)
+    entry = t.tune("decode", mod, (4, 4096), clocked_bench(clock, 3.0, 0.1), kernel_hash="ef" * 8)
+    # tile 32: 3.4 s then 0.4 s per split neighbour; tile 64 (a new compile, predicted 3.4 s) never starts
+    assert entry["candidates"] == 4 and entry["seconds"] <= 5.0
+    assert all(c["tile"] == 32 for c in [entry["config"]])
+    # a budget that fits one compile more lets the new variant run
+    clock2, timer2 = FakeClock(), CountingTimer()
+    t2 = Autotuner("cpu", force=True, timer=timer2, directory=tmp_path / "b", stream=io.StringIO(), clock=clock2,
+                   budget_s=9.0)
+    assert t2.tune("decode", mod, (4, 4096), clocked_bench(clock2, 3.0, 0.1), kernel_hash="ef" * 8)["candidates"] > 4
 
 
 def test_modes_decide_whether_the_request_path_times(tmp_path, monkeypatch):

@@ -360,13 +360,18 @@ class Autotuner:
     ``"off"`` ignores persisted winners too. ``enabled=False`` never times on
     the request path. :meth:`tune` times a bucket explicitly (ahead of time).
     ``timer(fn) -> ms`` defaults to ``triton.testing.do_bench``;
-    ``force=True`` tunes on first use even off-GPU (tests).
+    ``force=True`` tunes on first use even off-GPU (tests). ``clock()`` (wall
+    seconds, default ``time.perf_counter``) keeps the budget: tuning never
+    starts a candidate when the time spent plus the slowest candidate so far
+    (its input creation, compile and timing) would pass ``budget_s``, so one
+    bucket stays within about ``budget_s`` seconds.
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, enabled: bool = True,
                  directory: str | Path | None = None, timer: Callable[[Callable[[], Any]], float] | None = None,
                  force: bool = False, progress: bool = True, stream=None, mode: str | None = None,
-                 max_candidates: int = MAX_CANDIDATES, budget_s: float = BUDGET_S) -> None:
+                 max_candidates: int = MAX_CANDIDATES, budget_s: float = BUDGET_S,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.device = torch.device(device)
         self.enabled = enabled
         self.force = force
@@ -380,6 +385,7 @@ class Autotuner:
         self.stream = stream
         self.max_candidates = max(1, int(max_candidates))
         self.budget_s = float(budget_s)
+        self.clock = clock
         self.device_name = device_name(self.device)
         self.sms = num_sms(self.device)
         self.triton_version = _triton_version()
@@ -540,16 +546,40 @@ class Autotuner:
             return None
         bar = _Progress(f"{key} ({khash[:8]})", len(cands), self.stream) if self.progress else None
         best, best_ms, timed = None, float("inf"), 0
-        start = time.perf_counter()
+        start = self.clock()
+        # Predicted wall seconds of the next candidate: its first call (a compile when it needs a
+        # compiled variant not built yet -- any config key but the runtime split count --, else one
+        # run) as the slowest such first call so far, plus the slowest timing so far.
+        first_new, first_reuse, timing, variants = 0.0, 0.0, 0.0, set()
         for i, cfg in enumerate(cands):
-            if i and time.perf_counter() - start > self.budget_s:
+            variant = tuple(sorted((k, v) for k, v in cfg.items() if k != "num_splits"))
+            new = variant not in variants
+            predicted = (first_new if new else first_reuse) + timing
+            # Never start a candidate that would likely end past the budget; the first always runs
+            # (a bucket needs a winner).
+            if i and self.clock() - start + predicted > self.budget_s:
                 if bar is not None:
-                    bar.stream.write(f" (budget {self.budget_s:g} s spent)\n")
+                    bar.stream.write(f" (budget {self.budget_s:g} s: {len(cands) - i} candidates left untimed)\n")
                 break
+            t0 = t1 = None
             try:
-                ms = float(self.timer(make_bench(cfg)))
+                fn = make_bench(cfg)  # the bucket's inputs are made once, by the first call: in the budget
+                t0 = self.clock()     # but not in the per-candidate prediction
+                fn()  # compile (and run) once outside the timed region, so the timer only times
+                t1 = self.clock()
+                ms = float(self.timer(fn))
             except Exception:  # a config the device cannot run (registers, shared memory): skip it
                 ms = float("inf")
+            now = self.clock()
+            if t0 is not None:
+                first = (t1 if t1 is not None else now) - t0
+                if new:
+                    first_new = max(first_new, first)
+                else:
+                    first_reuse = max(first_reuse, first)
+                if t1 is not None:
+                    timing = max(timing, now - t1)
+            variants.add(variant)
             timed += 1
             if ms < best_ms:
                 best, best_ms = cfg, ms
@@ -559,7 +589,7 @@ class Autotuner:
             return None
         self.tuned.append(key)
         entry = {"config": dict(best), "ms": best_ms, "candidates": timed,
-                 "seconds": round(time.perf_counter() - start, 3)}
+                 "seconds": round(self.clock() - start, 3)}
         self._save(khash, key, entry)
         return dict(entry)
 
