@@ -23,13 +23,13 @@ from kvgen.planner.workload import Workload
 from kvgen.registry import default_registry
 from kvgen.targets import resolve_target
 
-COMPILE = ["compile", "--model", "llama-3-70b", "--target", "h100", "--kv", "int4", "--out"]
+COMPILE = ["compile", "--model", "llama-3-8b", "--target", "h100", "--kv", "int4", "--out"]
 
 
 @pytest.fixture(scope="module")
 def plans():
     schemes = default_registry().schemes
-    return {kv: make_plan(resolve_model("llama-3-70b"), resolve_target("h100"), Workload(), schemes, kv=kv)
+    return {kv: make_plan(resolve_model("llama-3-8b"), resolve_target("h100"), Workload(), schemes, kv=kv)
             for kv in ("int4", "int8")}
 
 
@@ -155,7 +155,7 @@ KILLER = textwrap.dedent('''
     except ImportError:
         pass
     from kvgen.cli import main
-    sys.exit(main(["compile", "--model", "llama-3-70b", "--target", "h100", "--kv", "int4", "--out", out]))
+    sys.exit(main(["compile", "--model", "llama-3-8b", "--target", "h100", "--kv", "int4", "--out", out]))
 ''')
 
 
@@ -181,7 +181,7 @@ WRITER = textwrap.dedent('''
     from kvgen.registry import default_registry
     from kvgen.targets import resolve_target
     out, seconds = sys.argv[1], float(sys.argv[2])
-    plans = [make_plan(resolve_model("llama-3-70b"), resolve_target("h100"), Workload(), default_registry().schemes, kv=kv)
+    plans = [make_plan(resolve_model("llama-3-8b"), resolve_target("h100"), Workload(), default_registry().schemes, kv=kv)
              for kv in ("int4", "int8")]
     rendered = {p.name: P.render_package(p) for p in plans}
     P.render_package = lambda plan, registry=None: rendered[plan.name]  # swap as fast as the disk allows

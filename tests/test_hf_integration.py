@@ -290,3 +290,23 @@ def test_gpu_bfloat16_generate_matches_hf(model_dir, tok):
         err_kvgen = float((a - ref).norm() / ref.norm())
         err_hf = float((b - ref).norm() / ref.norm())
         assert err_kvgen <= 1.5 * err_hf + 1e-3, (err_kvgen, err_hf)
+
+
+@pytest.mark.parametrize("key", ["cache", "past_key_values"])
+def test_generate_hook_replaces_the_dynamic_cache_under_either_name(key):
+    """transformers 5.24+ names generate()'s cache "cache", earlier 5.x "past_key_values": both must get kvgen's."""
+    from types import SimpleNamespace
+
+    from transformers import DynamicCache
+
+    from kvgen.integrations.transformers import KvgenCache, _hook_generate
+
+    def original(generation_config, model_kwargs, *args, **kwargs):
+        model_kwargs[key] = DynamicCache()
+
+    model = SimpleNamespace(_prepare_cache_for_generation=original)
+    runtime = SimpleNamespace(num_layers=2)
+    _hook_generate(model, runtime)
+    kwargs: dict = {}
+    model._prepare_cache_for_generation(SimpleNamespace(cache_implementation=None), kwargs)
+    assert type(kwargs[key]) is KvgenCache

@@ -182,7 +182,7 @@ DOC_SEPARATOR = "<|endoftext|>"
 def tokenize_text(tokenizer, text: str) -> list[list[int]]:
     """Token ids per document: a text with ``<|endoftext|>`` separators is cut into documents
     (each tokenized on its own with the tokenizer's defaults, so each gets its BOS, as in
-    ``shared/data/README.md``); any other text is one document."""
+    ``tests/assets/README.md``); any other text is one document."""
     docs = [d.strip() for d in text.split(DOC_SEPARATOR)] if DOC_SEPARATOR in text else [text]
     return [tokenizer(d, verbose=False)["input_ids"] for d in docs if d]
 

@@ -451,9 +451,12 @@ def _hook_generate(model: Any, runtime: Any) -> None:
 
     def prepare(generation_config, model_kwargs, *args, **kwargs):
         result = original(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("cache")
-        if type(cache) is DynamicCache and generation_config.cache_implementation in (None, "dynamic"):
-            model_kwargs["cache"] = KvgenCache(runtime)
+        # transformers >= 5.24 keeps generate()'s cache under "cache", earlier 5.x under "past_key_values":
+        # replacing only one name would let generate() run silently on its own cache.
+        for key in ("cache", "past_key_values"):
+            cache = model_kwargs.get(key)
+            if type(cache) is DynamicCache and generation_config.cache_implementation in (None, "dynamic"):
+                model_kwargs[key] = KvgenCache(runtime)
         return result
 
     model._prepare_cache_for_generation = prepare
