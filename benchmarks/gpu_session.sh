@@ -4,7 +4,7 @@
 # writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup] [bench args...]
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
-# NCCL test. KVGEN_GPU_TEST_SELECT narrows the tests (pytest arguments, default "tests"); carry .shared (a copy of ../shared, which does not travel) for stories260K.
+# NCCL test. KVGEN_GPU_TEST_SELECT narrows the tests (pytest arguments, default "tests"); stories260K comes from tests/assets.
 set -uo pipefail
 what="${1:-all}"; shift || true
 OUT="${OUT:-/tmp/kvgen-out}"; mkdir -p "$OUT"
@@ -27,7 +27,6 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   grep -E "^(FAILED|ERROR)|(passed|failed|error)[^a-z]*in [0-9.]+s" "$OUT/pytest-gpu.log" | tail -20
 fi
 if [ "$what" = tp ]; then
-  [ -d ../shared/data ] || { [ -d .shared/data ] && ln -sfn "$PWD/.shared" ../shared; }  # where the tests look
   python3 -m benchmarks.tp_scaling --out "$OUT/tp" "$@" 2>"$OUT/tp-stderr.log" | tee "$OUT/tp.log"
   tail -5 "$OUT/tp-stderr.log"
   timeout ${KVGEN_TP_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -v -rfEs \

@@ -4,7 +4,7 @@
 
 Measures, in this order: the device copy bandwidth (a 4 GiB device-to-device
 copy, read + write bytes); every scheme's generated decode kernel at the
-shapes of ../shared/ANCHORS.md (best of the kernel's own tuning candidates,
+ANCHORS shapes (measured peer numbers kept with the project's notes) (best of the kernel's own tuning candidates,
 median of triton.testing.do_bench), bytes it reads, fraction of copy
 bandwidth, ratio to contiguous bf16 SDPA in the same run, and its error
 against float32 attention over the unquantized K/V; cache writes (one decode
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-ANCHOR_SHAPES = [  # (B, L, Hq, Hkv, D) from ../shared/ANCHORS.md
+ANCHOR_SHAPES = [  # (B, L, Hq, Hkv, D): the benchmark shapes the project tracks (Llama-3-70B/8B shards)
     (32, 4096, 64, 8, 128),
     (32, 16384, 64, 8, 128),
     (8, 32768, 64, 8, 128),

@@ -47,13 +47,11 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL_DIRS = [REPO.parent / "shared" / "data" / "models" / "stories260K",
-              REPO / ".shared" / "data" / "models" / "stories260K",
-              REPO / "shared" / "data" / "models" / "stories260K"]
+MODEL_DIRS = [REPO / "tests" / "assets" / "models" / "stories260K"]
 PROMPT = "Once upon a time, there was a little"
 # Never let NCCL or PyTorch use NVLink multicast (it can take a shared host's GPUs down).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-SHAPE = dict(B=32, L=4096, Hq=64, Hkv=8, D=128)  # Llama-3-70B attention, ../shared/ANCHORS.md's first shape
+SHAPE = dict(B=32, L=4096, Hq=64, Hkv=8, D=128)  # Llama-3-70B attention, the first ANCHORS shape of benchmarks/run.py
 QUICK_SHAPE = dict(B=2, L=64, Hq=64, Hkv=8, D=128)
 # Compiled variants tried (pages per tile, warps, stages), every split count of candidates() for each:
 # a handful of compiles per kernel instead of a dozen (the H200 sweep's best were among these).
@@ -483,8 +481,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", type=int, default=None, help="ranks (default: every visible GPU; 2 on the CPU)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default nccl on cuda, gloo on cpu")
-    ap.add_argument("--model-dir", default=None, help="stories260K (default ../shared/data/models/stories260K, "
-                                                      "or .shared/ or shared/ inside the repository)")
+    ap.add_argument("--model-dir", default=None, help="stories260K (default tests/assets/models/stories260K)")
     ap.add_argument("--parts", default="equivalence,scaling")
     ap.add_argument("--schemes", default=None, help="decode scaling schemes (default bf16,int8,int4; "
                                                     "fp32,int8,int4 on the CPU, whose interpreter mishandles bf16 pages)")
