@@ -22,8 +22,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvgen.runtime.block_manager import COMPRESSED, RESIDUAL, AppendPlan, BlockManager, page_hash
-from kvgen.runtime.errors import KvgenRuntimeError, OutOfPages, UnknownSequence
+from kvgen.runtime.block_manager import (COMPRESSED, HOST, HOST_COMPRESSED, HOST_RESIDUAL, RESIDUAL, AppendPlan,
+                                         BlockManager, page_hash)
+from kvgen.runtime.errors import KvgenRuntimeError, OutOfPages, SwappedOut, UnknownSequence
 
 POISON = "freed"
 
@@ -40,10 +41,12 @@ class _Cache(RuleBasedStateMachine):
     R: int | None = None
     NC = 10
     NR = 0
+    NH = 0   # host tier: compressed and residual pages
+    NHR = 0
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(self.P, self.NC, self.NR, self.R, "scheme")
+        self.bm = BlockManager(self.P, self.NC, self.NR, self.R, "scheme", self.NH, self.NHR)
         self.mem: dict[tuple[str, int], list] = {}
         self.tokens: dict[int, list[int]] = {}   # every token of each live sequence
         self.pinned: dict[int, int] = {}         # pages reused from the prefix cache at add time
@@ -70,6 +73,8 @@ class _Cache(RuleBasedStateMachine):
             return
         assert expect_ok
         assert isinstance(plan, AppendPlan)
+        for pool, dev, host in plan.spills:  # evicted prefix pages go to the host before anything else
+            self.mem[(HOST[pool], host)] = list(self.mem[(pool, dev)])
         assert plan.write_pool == (COMPRESSED if self.R is None else RESIDUAL)
         assert len(plan.slots) == len(new)
         if self.R is None:
@@ -102,7 +107,7 @@ class _Cache(RuleBasedStateMachine):
             base = data.draw(st.sampled_from(self.history))
             cut = data.draw(st.integers(0, len(base)))
             prompt = base[:cut] + data.draw(st.lists(st.integers(0, 1), max_size=2 * self.P + 1))
-        hit = self.bm.add_sequence(sid, prompt)
+        hit = self._add_seq(sid, prompt)
         assert hit % self.P == 0 and 0 <= hit <= len(prompt)
         if self.R is not None:
             assert hit // self.P <= max(0, len(prompt) // self.P - self.R // self.P)
@@ -140,6 +145,9 @@ class _Cache(RuleBasedStateMachine):
         del self.tokens[sid]
         del self.pinned[sid]
 
+    def _add_seq(self, sid: int, prompt: list[int]) -> int:
+        return self.bm.add_sequence(sid, prompt)
+
     # -- invariants -------------------------------------------------------------
     @invariant()
     def check_books(self) -> None:
@@ -148,34 +156,44 @@ class _Cache(RuleBasedStateMachine):
         refs: Counter = Counter()
         for sid, toks in self.tokens.items():
             table, nc, n = bm.block_table(sid), bm.num_compressed(sid), bm.seq_len(sid)
+            on_host = bm.host_pages(sid)
             assert n == len(toks)
             assert len(table) == -(-n // P)
             assert nc == self._expected_nc(sid)
-            for i, page in enumerate(table):
-                refs[(COMPRESSED if i < nc else RESIDUAL, page)] += 1
-            got = [self.mem[(COMPRESSED if i // P < nc else RESIDUAL, table[i // P])][i % P] for i in range(n)]
+            pools = [(HOST if i < on_host else {COMPRESSED: COMPRESSED, RESIDUAL: RESIDUAL})[
+                COMPRESSED if i < nc else RESIDUAL] for i in range(len(table))]
+            for pool, page in zip(pools, table):
+                refs[(pool, page)] += 1
+            got = [self.mem[(pools[i // P], table[i // P])][i % P] for i in range(n)]
             assert got == [kv(toks, i) for i in range(n)], f"sequence {sid} reads wrong KV"
-        lru = list(bm._lru)
-        for pool, size in ((COMPRESSED, self.NC), (RESIDUAL, self.NR)):
+        held = set(bm._held_set)
+        for pool, size in ((COMPRESSED, self.NC), (RESIDUAL, self.NR), (HOST_COMPRESSED, self.NH),
+                           (HOST_RESIDUAL, self.NHR)):
             free = list(bm._pools[pool].free)
-            evictable = lru if pool == COMPRESSED else []
+            cache = bm._caches.get(pool)
+            evictable = list(cache.lru) if cache is not None else []
             assert len(set(free)) == len(free), f"{pool} page freed twice"
             assert len(set(evictable)) == len(evictable)
             assert not set(free) & set(evictable)
             referenced = 0
+            held_here = 0
             for page in range(size):
                 r = bm.ref_count(pool, page)
                 assert r == refs[(pool, page)], f"{pool} page {page}: ref {r}, {refs[(pool, page)]} references"
                 on_lists = (page in free) + (page in evictable)
-                assert on_lists == (0 if r else 1), f"{pool} page {page} leaked or double-listed"
+                if (pool, page) in held:  # an asynchronous copy still reads it: on no list
+                    assert on_lists == 0, f"{pool} page {page} is held and listed"
+                    held_here += r == 0
+                else:
+                    assert on_lists == (0 if r else 1), f"{pool} page {page} leaked or double-listed"
                 referenced += r > 0
-            assert referenced + len(free) + len(evictable) == size
+            assert referenced + len(free) + len(evictable) + held_here == size, f"{pool} pages leaked"
             assert bm.num_free_pages(pool) == len(free) + len(evictable)
             for page in free:  # a freed page's old content must never be read again
                 self.mem[(pool, page)] = [POISON] * P
-        # prefix-cache maps agree, and every evictable page is a cached one
-        assert {h: p for p, h in bm._page_hash.items()} == bm._hash_page
-        assert all(p in bm._page_hash for p in lru)
+            if cache is not None:  # prefix-cache maps agree, and every evictable page is a cached one
+                assert {h: p for p, h in cache.page_hash.items()} == cache.hash_page
+                assert all(p in cache.page_hash for p in evictable)
 
 
 _SETTINGS = settings(max_examples=150, stateful_step_count=30, deadline=None,
@@ -194,6 +212,120 @@ class _ResidualTwoPages(_Cache):
     P, R, NC, NR = 2, 4, 3, 16
 
 
+class _Tiered(_Cache):
+    """The same machine with a host tier: swap out / in, cold pages, prefix spill and restore."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tickets: list[int] = []
+
+    def _add_seq(self, sid: int, prompt: list[int]) -> int:
+        hit, plan = self.bm.add_sequence_plan(sid, prompt)
+        self._run(plan)
+        return hit
+
+    def _run(self, plan) -> None:
+        for pool, dev, host in plan.to_host:
+            self.mem[(HOST[pool], host)] = list(self.mem[(pool, dev)])
+        for pool, host, dev in plan.to_device:
+            self.mem[(pool, dev)] = list(self.mem[(HOST[pool], host)])
+        if plan.ticket is not None:
+            self.tickets.append(plan.ticket)
+
+    def _live(self) -> list[int]:
+        return [s for s in sorted(self.tokens) if not self.bm.is_swapped(s)]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), with_ids=st.booleans())
+    def append(self, data, with_ids: bool) -> None:
+        live = self._live()
+        if len(live) < len(self.tokens):  # a swapped-out sequence refuses appends, changing nothing
+            sid = next(s for s in sorted(self.tokens) if s not in live)
+            before = copy.deepcopy(vars(self.bm))
+            with pytest.raises(SwappedOut):
+                self.bm.append(sid, 1)
+            assert vars(self.bm) == before
+        if live:
+            new = data.draw(st.lists(st.integers(0, 1), min_size=0, max_size=2 * self.P + 1))
+            self._append(data.draw(st.sampled_from(live)), new, with_ids)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), hold=st.booleans())
+    def swap_out(self, data, hold: bool) -> None:
+        live = self._live()
+        if not live:
+            return
+        ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=3, unique=True))
+        before = copy.deepcopy(vars(self.bm))
+        try:
+            plan = self.bm.swap_out(ids, hold=hold)
+        except OutOfPages:
+            assert vars(self.bm) == before, "OutOfPages changed the manager's state"
+            return
+        hosts = [(pool, host) for pool, _, host in plan.to_host]
+        assert len(set(hosts)) == len(hosts)  # a page shared by the swapped sequences is copied once
+        self._run(plan)
+        assert all(self.bm.is_swapped(s) for s in ids)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def swap_in(self, data) -> None:
+        on_host = [s for s in sorted(self.tokens) if self.bm.host_pages(s)]
+        if not on_host:
+            return
+        ids = data.draw(st.lists(st.sampled_from(on_host), min_size=1, max_size=3, unique=True))
+        before = copy.deepcopy(vars(self.bm))
+        try:
+            plan = self.bm.swap_in(ids)
+        except OutOfPages:
+            assert vars(self.bm) == before, "OutOfPages changed the manager's state"
+            return
+        self._run(plan)
+        assert all(self.bm.host_pages(s) == 0 for s in ids)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), hold=st.booleans())
+    def make_cold(self, data, hold: bool) -> None:
+        live = self._live()
+        if not live:
+            return
+        sid = data.draw(st.sampled_from(live))
+        limit = min(self.bm.num_compressed(sid), self.bm.seq_len(sid) // self.P)
+        before = copy.deepcopy(vars(self.bm))
+        try:
+            plan = self.bm.make_cold(sid, data.draw(st.integers(0, limit)), hold=hold)
+        except OutOfPages:
+            assert vars(self.bm) == before, "OutOfPages changed the manager's state"
+            return
+        self._run(plan)
+
+    @precondition(lambda self: self.tickets)
+    @rule()
+    def release_held(self) -> None:
+        self.bm.release_held(self.tickets.pop(0))
+
+    def teardown(self) -> None:
+        for t in self.tickets:
+            self.bm.release_held(t)
+        for sid in list(self.tokens):
+            self.bm.free(sid)
+        for pool, size in ((COMPRESSED, self.NC), (RESIDUAL, self.NR), (HOST_COMPRESSED, self.NH),
+                           (HOST_RESIDUAL, self.NHR)):
+            assert self.bm.num_free_pages(pool) == size, f"{pool} pages leaked"
+
+
+class _TieredNoResidual(_Tiered):
+    P, R, NC, NR, NH, NHR = 2, None, 8, 0, 8, 0
+
+
+class _TieredResidual(_Tiered):
+    P, R, NC, NR, NH, NHR = 2, 2, 6, 8, 6, 6
+
+
+TestTieredNoResidual = _TieredNoResidual.TestCase
+TestTieredNoResidual.settings = _SETTINGS
+TestTieredResidual = _TieredResidual.TestCase
+TestTieredResidual.settings = _SETTINGS
 TestNoResidual = _NoResidual.TestCase
 TestNoResidual.settings = _SETTINGS
 TestResidualZero = _ResidualZero.TestCase
@@ -451,3 +583,96 @@ def test_runtime_imports_nothing_from_kvgen():
                 assert node.level > 0 or not (node.module or "").startswith("kvgen"), name
             elif isinstance(node, ast.Import):
                 assert not any(a.name.startswith("kvgen") for a in node.names), name
+
+
+# -- host tier --------------------------------------------------------------------
+def test_swap_out_in_shares_each_page_once_and_restores_tables():
+    bm = BlockManager(2, 8, 0, None, "s", num_host_pages=8)
+    bm.add_sequence("a")
+    bm.append("a", 5, [1, 2, 3, 4, 5])     # pages [0, 1, 2]
+    bm.fork("a", "b")
+    plan = bm.swap_out(["a", "b"])
+    assert sorted(plan.to_host) == [(COMPRESSED, 0, 2), (COMPRESSED, 1, 1), (COMPRESSED, 2, 0)]
+    assert bm.block_table("a") == bm.block_table("b") == [2, 1, 0]
+    assert bm.ref_count(HOST_COMPRESSED, 0) == 2 and bm.num_free_pages(HOST_COMPRESSED) == 5
+    # the full pages are prefix-cached: they wait on the LRU list, the tail page is free
+    assert bm.num_free_pages(COMPRESSED) == 8 and list(bm._lru) == [1, 0]
+    with pytest.raises(SwappedOut, match="swap_in"):
+        bm.reserve_step(["a"], [1])
+    plan = bm.swap_in(["a", "b"])
+    # cached pages come back without a copy; only the tail page is copied, once for both
+    assert plan.to_host == [] and [(p, h) for p, h, _ in plan.to_device] == [(COMPRESSED, 0)]
+    assert bm.block_table("a") == bm.block_table("b") and bm.block_table("a")[:2] == [0, 1]
+    assert bm.ref_count(COMPRESSED, bm.block_table("a")[2]) == 2
+    assert bm.num_free_pages(HOST_COMPRESSED) == 8 and bm.host_pages("a") == 0
+
+
+def test_swap_out_of_one_fork_keeps_the_other_on_the_device():
+    bm = BlockManager(2, 8, 0, None, "s", num_host_pages=8)
+    bm.add_sequence("a")
+    bm.append("a", 4)
+    bm.fork("a", "b")
+    plan = bm.swap_out(["b"])
+    assert len(plan.to_host) == 2 and bm.block_table("a") == [0, 1]
+    assert bm.ref_count(COMPRESSED, 0) == 1 and bm.ref_count(HOST_COMPRESSED, plan.to_host[0][2]) == 1
+
+
+def test_tier_errors_and_out_of_pages_change_nothing():
+    bm = BlockManager(2, 4, 0, None, "s")
+    bm.add_sequence("a")
+    bm.append("a", 4)
+    with pytest.raises(KvgenRuntimeError, match="host_tokens"):
+        bm.swap_out(["a"])
+    bm = BlockManager(2, 4, 0, None, "s", num_host_pages=1)
+    bm.add_sequence("a")
+    bm.append("a", 4)
+    before = copy.deepcopy(vars(bm))
+    with pytest.raises(OutOfPages, match="host tier"):
+        bm.swap_out(["a"])
+    assert vars(bm) == before
+    with pytest.raises(KvgenRuntimeError, match="0..2 pages"):
+        bm.make_cold("a", 3)
+    assert bm.make_cold("a", 1).to_host == [(COMPRESSED, 0, 0)] and bm.host_pages("a") == 1
+    with pytest.raises(KvgenRuntimeError, match="already swapped"):
+        bm.swap_out(["a"]) if bm.is_swapped("a") else (_ for _ in ()).throw(KvgenRuntimeError("already swapped"))
+    bm.add_sequence("b")
+    bm.append("b", 6)                      # takes every free device page left
+    before = copy.deepcopy(vars(bm))
+    with pytest.raises(OutOfPages, match="swapping in"):
+        bm.swap_in(["a"])
+    assert vars(bm) == before
+
+
+def test_held_pages_wait_for_release():
+    bm = BlockManager(2, 2, 0, None, "s", num_host_pages=4)
+    bm.add_sequence("a")
+    bm.append("a", 3)
+    plan = bm.swap_out(["a"], hold=True)
+    assert plan.ticket is not None and bm.num_held_pages() == 2 and bm.num_free_pages(COMPRESSED) == 0
+    bm.add_sequence("b")
+    with pytest.raises(OutOfPages):
+        bm.append("b", 1)
+    bm.release_held(plan.ticket)
+    assert bm.num_held_pages() == 0 and bm.num_free_pages(COMPRESSED) == 2
+
+
+def test_prefix_spill_and_restore():
+    bm = BlockManager(2, 3, 0, None, "s", num_host_pages=4)
+    bm.add_sequence("a")
+    bm.append("a", 4, [1, 2, 3, 4])        # pages 0, 1 cached
+    bm.free("a")
+    bm.add_sequence("b")
+    plan = bm.append("b", 6, [9] * 6)      # needs 3 pages: one free, two evicted -> spilled
+    assert [(p, d) for p, d, _ in plan.spills] == [(COMPRESSED, 1), (COMPRESSED, 0)]
+    assert bm._hash_page == {} or all(h not in bm._hash_page for h in bm._caches[HOST_COMPRESSED].hash_page)
+    bm.free("b")                           # its pages: cached ones to the LRU list
+    # without restoring, the prefix is gone from the device
+    assert bm.add_sequence("x", [1, 2, 3, 4, 5]) == 0
+    bm.free("x")
+    host = dict(bm._caches[HOST_COMPRESSED].hash_page)
+    hit, plan = bm.add_sequence_plan("c", [1, 2, 3, 4, 5])
+    assert hit == 4 and [h for _, h, _ in plan.to_device] == [host[h] for h in bm._seqs["c"].hashes]
+    assert bm.block_table("c") == [d for _, _, d in plan.to_device]
+    # making room evicted b's cached pages: they spilled first (copies before the restores)
+    assert len(plan.to_host) == 2 and {d for _, d, _ in plan.to_host} == set(bm.block_table("c"))
+    assert bm.num_free_pages(HOST_COMPRESSED) == 4 and len(bm._caches[HOST_COMPRESSED].hash_page) == 4

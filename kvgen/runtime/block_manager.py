@@ -46,6 +46,12 @@ residual-scheme append that runs out of free residual pages releases the
 parked pages and opens a new :class:`Phase`; per layer, phases run in
 order, so the new phase's writes land after the earlier conversions.
 
+Host tier (optional, ``num_host_pages``): two more pools, ``host_compressed``
+and ``host_residual``, in the same page format; whole sequences swap out and
+in, a sequence's oldest compressed pages can live there ("cold" pages), and
+prefix-cache pages the LRU evicts spill there. Those operations live in
+:mod:`.tiering`; the books stay here, one owner for every tier.
+
 The manager is not thread-safe; call it from one thread (the scheduler's).
 """
 
@@ -55,15 +61,18 @@ import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
 
-from .errors import KvgenRuntimeError, OutOfPages, UnknownSequence, check_seq_id, seq_id_list, token_list
+from . import journal as J
+from .errors import KvgenRuntimeError, OutOfPages, SwappedOut, UnknownSequence, check_seq_id, seq_id_list, token_list
+from .tiering import HOST, HOST_COMPRESSED, HOST_RESIDUAL, TieringMixin, TransferPlan
 
 COMPRESSED = "compressed"
 """Name of the compressed pool (the scheme's quantized pages)."""
 RESIDUAL = "residual"
 """Name of the residual pool (recent tokens in the compute dtype)."""
 POOLS = (COMPRESSED, RESIDUAL)
+__all__ = ["COMPRESSED", "RESIDUAL", "HOST_COMPRESSED", "HOST_RESIDUAL", "HOST", "POOLS", "AppendPlan", "Phase",
+           "StepPlan", "TransferPlan", "BlockManager", "page_hash"]
 
 
 def page_hash(parent: str | None, token_ids: Sequence[int], scheme_name: str = "") -> str:
@@ -99,6 +108,9 @@ class AppendPlan:
     copies: list[tuple[str, int, int]] = field(default_factory=list)
     conversions: list[tuple[int, int]] = field(default_factory=list)
     write_pool: str = COMPRESSED
+    spills: list[tuple[str, int, int]] = field(default_factory=list)
+    """Run before everything else: ``(pool, device page, host page)`` copies of evicted prefix-cache
+    pages to the host tier (the append then overwrites the device page)."""
 
 
 @dataclass
@@ -127,6 +139,8 @@ class StepPlan:
 
     slots: list[int]
     phases: list[Phase]
+    spills: list[tuple[str, int, int]] = field(default_factory=list)
+    """``(pool, device page, host page)`` copies to run before any phase (see :class:`AppendPlan`)."""
 
 
 @dataclass
@@ -149,6 +163,17 @@ class _Seq:
     hashes: list[str]    # chain hashes of the first len(hashes) full pages
     pending: list[int]   # token ids of the partial tail page, while ids are known
     known: bool          # every token id so far was given (else no more hashing)
+    cold: int = 0        # leading pages held in the host tier (full compressed pages)
+    swapped: bool = False  # every page is in the host tier (swapped out): no step may touch it
+
+
+@dataclass
+class _PrefixCache:
+    """Hash <-> page of one tier's prefix cache, and its evictable pages (ref 0) -> release stamp."""
+
+    hash_page: dict = field(default_factory=dict)
+    page_hash: dict = field(default_factory=dict)
+    lru: OrderedDict = field(default_factory=OrderedDict)  # least recently released first
 
 
 @dataclass
@@ -165,11 +190,12 @@ class _Draft:
     register: list[tuple[int, str]]                      # (logical page, hash), no-residual schemes
 
 
-class BlockManager:
+class BlockManager(TieringMixin):
     """Allocates pages of a two-pool paged KV cache to sequences.
 
     ``BlockManager(page_size, num_compressed_pages, num_residual_pages,
-    residual_tokens, scheme_name="")``: ``residual_tokens`` is the scheme's
+    residual_tokens, scheme_name="", num_host_pages=0, num_host_residual_pages=0)``
+    (host tier sizes, see :mod:`.tiering`): ``residual_tokens`` is the scheme's
     (None: no residual pool is used; ``R >= 0``: the tail page and ``R //
     page_size`` recent full pages are residual). ``scheme_name`` goes into the
     prefix hashes so two schemes never share pages.
@@ -178,8 +204,10 @@ class BlockManager:
 
     - allocate and free are O(1) (a LIFO free list per pool); each page is, at
       any time, exactly one of: referenced by block tables (its ref count is
-      the number of references), on the free list, cached-and-evictable, or
-      (only inside :meth:`reserve_step`) parked until the step ends;
+      the number of references), on the free list, cached-and-evictable,
+      (only inside :meth:`reserve_step`) parked until the step ends, or held
+      until an asynchronous copy to the host has read it (see
+      :meth:`release_held`);
     - a page referenced by more than one sequence is never written: the first
       append into it copies it first (copy-on-write);
     - within one :meth:`reserve_step`, no page that a copy or conversion of a
@@ -190,10 +218,13 @@ class BlockManager:
     """
 
     def __init__(self, page_size: int, num_compressed_pages: int, num_residual_pages: int,
-                 residual_tokens: int | None, scheme_name: str = "") -> None:
+                 residual_tokens: int | None, scheme_name: str = "", num_host_pages: int = 0,
+                 num_host_residual_pages: int = 0) -> None:
         for name, value, low in (("page_size", page_size, 1),
                                  ("num_compressed_pages", num_compressed_pages, 0),
-                                 ("num_residual_pages", num_residual_pages, 0)):
+                                 ("num_residual_pages", num_residual_pages, 0),
+                                 ("num_host_pages", num_host_pages, 0),
+                                 ("num_host_residual_pages", num_host_residual_pages, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise KvgenRuntimeError(f"BlockManager {name} must be an int >= {low}, got {value!r}")
         if residual_tokens is not None and (not isinstance(residual_tokens, int) or residual_tokens < 0):
@@ -204,24 +235,40 @@ class BlockManager:
         self.scheme_name = scheme_name
         self.write_pool = COMPRESSED if residual_tokens is None else RESIDUAL
         self._window = None if residual_tokens is None else residual_tokens // page_size
-        self._pools = {COMPRESSED: _Pool.new(num_compressed_pages), RESIDUAL: _Pool.new(num_residual_pages)}
-        # Prefix cache (compressed pool only): hash <-> page, and the evictable
-        # cached pages (ref count 0) -> the stamp of their release, least
-        # recently released first (stamps ascend along the list, so an undo can
-        # put a revived page back in its place).
-        self._hash_page: dict[str, int] = {}
-        self._page_hash: dict[int, str] = {}
-        self._lru: OrderedDict[int, int] = OrderedDict()
+        self._pools = {COMPRESSED: _Pool.new(num_compressed_pages), RESIDUAL: _Pool.new(num_residual_pages),
+                       HOST_COMPRESSED: _Pool.new(num_host_pages),
+                       HOST_RESIDUAL: _Pool.new(num_host_residual_pages)}
+        # Prefix caches (compressed pages only; the host one holds spilled pages): hash <-> page,
+        # and the evictable cached pages (ref count 0) -> the stamp of their release, least
+        # recently released first (stamps ascend along the list, so an undo can put a revived
+        # page back in its place).
+        self._caches = {COMPRESSED: _PrefixCache(), HOST_COMPRESSED: _PrefixCache()}
+        c = self._caches[COMPRESSED]
+        self._hash_page, self._page_hash = c.hash_page, c.page_hash
         self._stamp = 0
         self._seqs: dict[Hashable, _Seq] = {}
         # Only inside reserve_step: the undo journal and the pages parked until the step ends.
         self._journal: list | None = None
         self._parked: list[tuple[str, int]] | None = None
+        # Copies of evicted prefix pages to the host the current call decided (see AppendPlan.spills);
+        # empty between calls.
+        self._spills: list[tuple[str, int, int]] = []
+        self._protect: set[int] = set()  # host pages a restore in progress reads: never spilled over
+        # Device pages an asynchronous copy to the host still reads: ticket -> pages, and their set.
+        self._held: dict[int, list[tuple[str, int]]] = {}
+        self._held_set: set[tuple[str, int]] = set()
+        self._tickets = 0
+
+    @property
+    def _lru(self) -> OrderedDict:
+        """The device prefix cache's evictable pages (page -> release stamp), oldest first."""
+        return self._caches[COMPRESSED].lru
 
     def __repr__(self) -> str:
         return (f"BlockManager(page_size={self.page_size}, residual_tokens={self.residual_tokens}, "
                 f"compressed={self.num_free_pages(COMPRESSED)}/{self._pools[COMPRESSED].size} free, "
                 f"residual={self.num_free_pages(RESIDUAL)}/{self._pools[RESIDUAL].size} free, "
+                f"host={self.num_free_pages(HOST_COMPRESSED)}/{self._pools[HOST_COMPRESSED].size} free, "
                 f"sequences={len(self._seqs)})")
 
     # -- queries ------------------------------------------------------------
@@ -263,7 +310,8 @@ class BlockManager:
     def num_free_pages(self, pool: str) -> int:
         """Pages of ``pool`` an allocation can take: free plus evictable cached pages."""
         n = len(self._pool(pool).free)
-        return n + len(self._lru) if pool == COMPRESSED else n
+        cache = self._caches.get(pool)
+        return n + len(cache.lru) if cache is not None else n
 
     def ref_count(self, pool: str, page: int) -> int:
         """Number of block-table references to ``page`` of ``pool``."""
@@ -275,7 +323,7 @@ class BlockManager:
     def can_append(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None) -> bool:
         """True when :meth:`append` with these arguments would not raise OutOfPages."""
         try:
-            self._prepare(seq_id, self._seq(seq_id), num_tokens, self._token_list(token_ids, num_tokens))
+            self._prepare(seq_id, self._live(seq_id), num_tokens, self._token_list(token_ids, num_tokens))
         except OutOfPages:
             return False
         return True
@@ -296,6 +344,9 @@ class BlockManager:
         ``seq_id`` is already live or is not hashable, or for token ids that
         are not ints.
         """
+        return self._add(seq_id, token_ids, restore=False)[0]
+
+    def _add(self, seq_id: Hashable, token_ids: Sequence[int] | None, restore: bool) -> tuple[int, TransferPlan]:
         check_seq_id(seq_id)
         if seq_id in self._seqs:
             raise KvgenRuntimeError(f"sequence {seq_id!r} already exists; free it first or use a new id")
@@ -305,18 +356,53 @@ class BlockManager:
         limit = full if self._window is None else max(0, full - self._window)
         pages: list[int] = []
         hashes: list[str] = []
+        restores: list[tuple[int, str]] = []  # (index in pages, hash) of pages only the host tier holds
+        host = self._caches[HOST_COMPRESSED].hash_page
+        room = len(self._pools[COMPRESSED].free) + len(self._lru)  # free or evictable device pages
         parent = None
         for i in range(limit):
             parent = page_hash(parent, tokens[i * P:(i + 1) * P], self.scheme_name)
             page = self._hash_page.get(parent)
             if page is None:
-                break
+                if not restore or parent not in host or len(restores) >= room:
+                    break
+                restores.append((len(pages), parent))  # a spilled page: comes back from the host
+                page = -1
             pages.append(page)
             hashes.append(parent)
+        # Hits on evictable pages take them off the LRU list: restores get the room left, and the
+        # prefix ends before the first restore that does not fit.
+        while restores and len(restores) > room - sum(p >= 0 and p in self._lru for p in pages):
+            cut = restores.pop()[0]
+            del pages[cut:], hashes[cut:]
         for page in pages:
-            self._acquire_cached(page)
+            if page >= 0:
+                self._acquire_cached(page)  # off the LRU list first: the restores below cannot evict them
+        to_device = []
+        self._protect = {host[h] for _, h in restores}  # evictions below spill, never over these
+        try:
+            for _, h in restores:
+                self._touch_host(h)  # most recently used: evicted last
+            for i, h in restores:
+                pages[i] = self._alloc(COMPRESSED)
+                self._register(pages[i], h)
+                to_device.append((COMPRESSED, host[h], pages[i]))
+        finally:
+            self._protect = set()
+        spills, self._spills = self._spills, []
         self._seqs[seq_id] = _Seq(pages, len(pages) * P, len(pages), hashes, [], True)
-        return len(pages) * P
+        return len(pages) * P, TransferPlan(to_host=spills, to_device=to_device)
+
+    def add_sequence_plan(self, seq_id: Hashable, token_ids: Sequence[int] | None = ()) -> tuple[int, TransferPlan]:
+        """:meth:`add_sequence` that also restores prefix pages spilled to the host tier.
+
+        Returns ``(cached tokens, plan)``: the caller must run
+        ``plan.to_device`` (host page -> device page copies) before any kernel
+        reads the sequence. Spilled pages come back only into free device
+        pages; the hit stops at the first page that can come back from neither
+        tier. Never raises OutOfPages.
+        """
+        return self._add(seq_id, token_ids, restore=True)
 
     def append(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None) -> AppendPlan:
         """Reserve slots for ``num_tokens`` new tokens of the sequence; see :class:`AppendPlan`.
@@ -332,8 +418,12 @@ class BlockManager:
         pages as available) with no state changed. Raises UnknownSequence for
         an id that is not live.
         """
-        s = self._seq(seq_id)
-        return self._append(seq_id, s, num_tokens, self._token_list(token_ids, num_tokens))
+        s = self._live(seq_id)
+        plan = self._append(seq_id, s, num_tokens, self._token_list(token_ids, num_tokens))
+        if self._spills:
+            spills, self._spills = self._spills, []
+            plan = AppendPlan(plan.slots, plan.copies, plan.conversions, plan.write_pool, spills)
+        return plan
 
     def reserve_step(self, seq_ids: Sequence[Hashable], num_new: Sequence[int],
                      token_ids: Sequence[Sequence[int] | None] | None = None) -> StepPlan:
@@ -357,7 +447,7 @@ class BlockManager:
         """
         seq_ids = seq_id_list(seq_ids, "reserve_step")
         counts, toks = self._check_step(seq_ids, num_new, token_ids)
-        seqs = [self._seq(sid) for sid in seq_ids]
+        seqs = [self._live(sid) for sid in seq_ids]
         journal: list = []
         self._journal, self._parked, stamp = journal, [], self._stamp
         try:
@@ -384,14 +474,15 @@ class BlockManager:
             phases[-1].end = len(slots)
             self._unpark()
         except OutOfPages as e:
-            self._rollback(journal, stamp)
+            J.rollback(self, journal, stamp)
             raise OutOfPages(f"this step of {len(seq_ids)} sequence(s): {e}") from None
         except BaseException:
-            self._rollback(journal, stamp)
+            J.rollback(self, journal, stamp)
             raise
         finally:
             self._journal = self._parked = None
-        return StepPlan(slots, phases)
+        spills, self._spills = self._spills, []
+        return StepPlan(slots, phases, spills)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Make ``child_id`` a new sequence sharing every page (and the length) of ``parent_id``.
@@ -404,9 +495,9 @@ class BlockManager:
         if child_id in self._seqs:
             raise KvgenRuntimeError(f"sequence {child_id!r} already exists; fork into a new id")
         for i, page in enumerate(p.table):
-            self._pools[COMPRESSED if i < p.num_compressed else RESIDUAL].ref[page] += 1
+            self._pools[self._pool_of(p, i)].ref[page] += 1
         self._seqs[child_id] = _Seq(list(p.table), p.length, p.num_compressed,
-                                    list(p.hashes), list(p.pending), p.known)
+                                    list(p.hashes), list(p.pending), p.known, p.cold, p.swapped)
 
     def free(self, seq_id: Hashable) -> None:
         """Forget the sequence and drop its page references.
@@ -419,7 +510,7 @@ class BlockManager:
         s = self._seq(seq_id)
         del self._seqs[seq_id]
         for i in range(len(s.table) - 1, -1, -1):
-            self._release(COMPRESSED if i < s.num_compressed else RESIDUAL, s.table[i])
+            self._release(self._pool_of(s, i), s.table[i])
 
     # -- internals ----------------------------------------------------------
     def _seq(self, seq_id: Hashable) -> _Seq:
@@ -432,11 +523,24 @@ class BlockManager:
             raise UnknownSequence(
                 f"sequence {seq_id!r} is not live (never added or already freed); call add_sequence first") from None
 
+    def _live(self, seq_id: Hashable) -> _Seq:
+        """The sequence, which a step may extend (not swapped out)."""
+        s = self._seq(seq_id)
+        if s.swapped:
+            raise SwappedOut(f"sequence {seq_id!r} is swapped out to the host tier; swap_in({seq_id!r}) first")
+        return s
+
+    @staticmethod
+    def _pool_of(s: _Seq, i: int) -> str:
+        """The pool holding logical page ``i`` of ``s`` (one of the four)."""
+        base = COMPRESSED if i < s.num_compressed else RESIDUAL
+        return HOST[base] if s.swapped or i < s.cold else base
+
     def _pool(self, pool: str) -> _Pool:
         try:
             return self._pools[pool]
         except (KeyError, TypeError):
-            raise KvgenRuntimeError(f"unknown pool {pool!r}; use {COMPRESSED!r} or {RESIDUAL!r}") from None
+            raise KvgenRuntimeError(f"unknown pool {pool!r}; use one of {list(self._pools)}") from None
 
     @staticmethod
     def _token_list(token_ids: Sequence[int] | None, expected: int | None) -> list[int] | None:
@@ -501,7 +605,7 @@ class BlockManager:
         W = self.write_pool
         j = self._journal
         if j is not None:
-            j.append((_SEQ, s, s.length, s.num_compressed, len(s.hashes), s.pending, s.known))
+            j.append((J.SEQ, s, s.length, s.num_compressed, len(s.hashes), s.pending, s.known))
         copies: list[tuple[str, int, int]] = []
         if d.cow:
             idx = s.length // P
@@ -513,7 +617,7 @@ class BlockManager:
         for _ in range(d.new_pages):
             s.table.append(self._alloc(W))
             if j is not None:
-                j.append((_TABLE_APPEND, s))
+                j.append((J.TABLE_APPEND, s))
         slots = [s.table[t // P] * P + t % P for t in range(s.length, s.length + num_tokens)]
 
         conversions: list[tuple[int, int]] = []
@@ -584,7 +688,7 @@ class BlockManager:
                 cached = self._hash_page.get(h) if h is not None else None
                 if cached is None:
                     need_c += 1
-                elif self._pools[COMPRESSED].ref[cached] == 0:
+                elif self._pools[COMPRESSED].ref[cached] == 0 and cached in self._lru:
                     revived += 1
                 convert.append((i, h, cached))
             need_w = int(cow) + new_pages
@@ -605,19 +709,27 @@ class BlockManager:
     # Every mutation an append makes goes through these helpers, which log how
     # to undo it while a reserve_step is open (self._journal is a list).
     def _alloc(self, pool: str) -> int:
+        """Take a page of ``pool`` (ref 1): a free one, else the least recently released cached one.
+
+        The callers counted what is available first: for the compressed pools
+        free plus evictable, else free. A device page evicted from the prefix
+        cache spills to the host tier when there is one (see :meth:`_spill`).
+        """
         p = self._pools[pool]
         j = self._journal
         if p.free:
             page = p.free.pop()
             if j is not None:
-                j.append((_FREE_POP, pool, page))
+                j.append((J.FREE_POP, pool, page))
         else:
-            # only reached for the compressed pool after _prepare counted the LRU list
-            page, stamp = self._lru.popitem(last=False)
-            h = self._page_hash.pop(page)
-            del self._hash_page[h]
+            cache = self._caches[pool]
+            page, stamp = cache.lru.popitem(last=False)
+            h = cache.page_hash.pop(page)
+            del cache.hash_page[h]
             if j is not None:
-                j.append((_LRU_REMOVE, page, stamp, h))
+                j.append((J.LRU_REMOVE, pool, page, stamp, h))
+            if pool == COMPRESSED:
+                self._spill(page, h)
         self._set_ref(pool, page, 1)
         return page
 
@@ -625,24 +737,28 @@ class BlockManager:
         p = self._pools[pool]
         self._set_ref(pool, page, p.ref[page] - 1)
         if p.ref[page] == 0:
-            if self._parked is not None:  # inside a step: out of reach until the step (or phase) ends
+            if self._held_set and (pool, page) in self._held_set:
+                return  # an asynchronous copy still reads it: release_held drops it
+            if self._parked is not None:  # inside a step (or a swap): out of reach until it ends
                 self._parked.append((pool, page))
-                self._journal.append((_PARK,))
+                if self._journal is not None:
+                    self._journal.append((J.PARK,))
             else:
                 self._drop(pool, page)
 
     def _drop(self, pool: str, page: int) -> None:
-        """Put an unreferenced page on its free list, or, if it is cached, at the end of the LRU list."""
+        """Put an unreferenced page on its free list, or, if it is cached, at the end of its LRU list."""
         j = self._journal
-        if pool == COMPRESSED and page in self._page_hash:
-            self._lru[page] = self._stamp
+        cache = self._caches.get(pool)
+        if cache is not None and page in cache.page_hash:
+            cache.lru[page] = self._stamp
             self._stamp += 1
             if j is not None:
-                j.append((_LRU_ADD, page))
+                j.append((J.LRU_ADD, pool, page))
         else:
             self._pools[pool].free.append(page)
             if j is not None:
-                j.append((_FREE_PUSH, pool))
+                j.append((J.FREE_PUSH, pool))
 
     def _unpark(self) -> None:
         """Release the pages parked so far in this step (in the order they were parked)."""
@@ -650,77 +766,36 @@ class BlockManager:
         for pool, page in parked:
             if self._pools[pool].ref[page] == 0:  # not revived meanwhile by a prefix-cache reuse
                 self._drop(pool, page)
-        self._journal.append((_UNPARK, list(parked)))
+        if self._journal is not None:
+            self._journal.append((J.UNPARK, list(parked)))
         parked.clear()
 
     def _acquire_cached(self, page: int) -> None:
         p = self._pools[COMPRESSED]
-        if p.ref[page] == 0 and page in self._lru:  # (else parked: _unpark skips it once referenced)
-            stamp = self._lru.pop(page)
+        lru = self._caches[COMPRESSED].lru
+        if p.ref[page] == 0 and page in lru:  # (else parked or held: skipped there once referenced)
+            stamp = lru.pop(page)
             if self._journal is not None:
-                self._journal.append((_LRU_REMOVE, page, stamp, None))
+                self._journal.append((J.LRU_REMOVE, COMPRESSED, page, stamp, None))
         self._set_ref(COMPRESSED, page, p.ref[page] + 1)
 
-    def _register(self, page: int, h: str) -> None:
+    def _register(self, page: int, h: str, pool: str = COMPRESSED) -> None:
         # First page registered under a hash wins; an equal page filled later
         # stays private (it is freed, not cached, when released).
-        if h not in self._hash_page and page not in self._page_hash:
-            self._hash_page[h] = page
-            self._page_hash[page] = h
+        cache = self._caches[pool]
+        if h not in cache.hash_page and page not in cache.page_hash:
+            cache.hash_page[h] = page
+            cache.page_hash[page] = h
             if self._journal is not None:
-                self._journal.append((_REGISTER, page, h))
+                self._journal.append((J.REGISTER, pool, page, h))
 
     def _set_ref(self, pool: str, page: int, value: int) -> None:
         ref = self._pools[pool].ref
         if self._journal is not None:
-            self._journal.append((_REF, pool, page, ref[page]))
+            self._journal.append((J.REF, pool, page, ref[page]))
         ref[page] = value
 
     def _set_table(self, s: _Seq, index: int, page: int) -> None:
         if self._journal is not None:
-            self._journal.append((_TABLE_SET, s, index, s.table[index]))
+            self._journal.append((J.TABLE_SET, s, index, s.table[index]))
         s.table[index] = page
-
-    def _rollback(self, journal: list, stamp: int) -> None:
-        """Undo a failed step: replay the journal backwards (cost: the step's own changes)."""
-        resort = False
-        for entry in reversed(journal):
-            op = entry[0]
-            if op is _REF:
-                self._pools[entry[1]].ref[entry[2]] = entry[3]
-            elif op is _FREE_POP:
-                self._pools[entry[1]].free.append(entry[2])
-            elif op is _FREE_PUSH:
-                self._pools[entry[1]].free.pop()
-            elif op is _TABLE_APPEND:
-                entry[1].table.pop()
-            elif op is _TABLE_SET:
-                entry[1].table[entry[2]] = entry[3]
-            elif op is _SEQ:
-                s = entry[1]
-                s.length, s.num_compressed, s.pending, s.known = entry[2], entry[3], entry[5], entry[6]
-                del s.hashes[entry[4]:]
-            elif op is _PARK:
-                self._parked.pop()
-            elif op is _UNPARK:
-                self._parked[:] = entry[1]
-            elif op is _LRU_ADD:
-                del self._lru[entry[1]]
-            elif op is _LRU_REMOVE:
-                page, page_stamp, h = entry[1], entry[2], entry[3]
-                self._lru[page] = page_stamp
-                resort = True
-                if h is not None:
-                    self._hash_page[h] = page
-                    self._page_hash[page] = h
-            elif op is _REGISTER:
-                del self._hash_page[entry[2]]
-                del self._page_hash[entry[1]]
-        if resort:  # re-inserted pages went to the end: restore release order (rare: a failed step)
-            self._lru = OrderedDict(sorted(self._lru.items(), key=itemgetter(1)))
-        self._stamp = stamp
-
-
-# Undo-journal operations of BlockManager (compared by identity).
-_REF, _FREE_POP, _FREE_PUSH, _TABLE_APPEND, _TABLE_SET, _SEQ = "ref", "free_pop", "free_push", "tappend", "tset", "seq"
-_PARK, _UNPARK, _LRU_ADD, _LRU_REMOVE, _REGISTER = "park", "unpark", "lru_add", "lru_remove", "register"

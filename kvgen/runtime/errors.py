@@ -25,6 +25,10 @@ class UnknownSequence(KvgenRuntimeError):
     """A sequence id that was never added, or was already freed."""
 
 
+class SwappedOut(KvgenRuntimeError):
+    """A step names a sequence whose pages are in the host tier; ``swap_in`` it first."""
+
+
 # -- checks of caller input (shared by the block manager and KVCache) ---------------
 def check_seq_id(seq_id: object) -> None:
     """Raise KvgenRuntimeError unless ``seq_id`` can name a sequence (it must be hashable)."""
