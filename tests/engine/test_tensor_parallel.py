@@ -114,3 +114,25 @@ def test_tp_on_a_gpu_index_other_than_0_is_refused(stories):
     with pytest.raises(EngineError, match="CUDA GPUs .NCCL. or the CPU"):
         check_tp(2, torch.device("meta"))
     assert check_tp(1, torch.device("cuda", 3)) == torch.device("cuda", 3)  # tp=1: whatever device was asked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,eager", [(2, False), (2, True), (4, False), (8, False)])
+def test_nccl_tp_matches_tp1_on_gpus(stories, tp, eager):
+    """NCCL ranks on cuda:0..tp-1 (CUDA graphs with the all-reduces inside, unless eager) give tp=1's tokens."""
+    import os
+
+    if torch.cuda.device_count() < tp or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip(f"needs {tp} CUDA GPUs and compiled (not interpreted) kernels")
+    prompts = [p * 3 for p in PROMPTS]
+    budget = dict(kv="fp32", device="cuda", max_tokens=128, max_model_len=128, max_num_seqs=4, autotune=False,
+                  verbose=False)
+    with LLM(stories, **budget) as llm:
+        ref = token_ids(llm.generate(prompts, params(32)))
+    with LLM(stories, tp=tp, enforce_eager=eager, **budget) as llm:
+        eng = llm.engine
+        assert token_ids(llm.generate(prompts, params(32))) == ref
+        assert eng.scheduler.num_preemptions > 0 and (eager or eng.runner.graph_steps > 0)
+        info = eng.runner.rank_info()
+    assert all(i["steps"] == info[0]["steps"] and i["free_pages"] == i["pages"] for i in info)
+    assert len({tuple(i["kv_heads"]) for i in info}) == min(tp, 4)  # tp=8: each KV head on two ranks
