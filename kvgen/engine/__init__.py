@@ -6,7 +6,10 @@ and ``graphs`` (a step through the model, decode in CUDA graphs),
 ``scheduler`` / ``sequence`` (who runs each step), ``sampler`` /
 ``sampling_params`` (next tokens), ``engine`` (LLMEngine: add_request /
 step / abort_request), ``llm`` (LLM: generate / stream / chat), ``cli``
-(``kvgen generate``). The runtime never imports this package.
+(``kvgen generate``); tensor parallelism: ``shard`` (a rank's share of the
+weights), ``parallel`` (ranks as processes, rank 0's cache calls replayed
+on the others; loaded only for tp > 1) and ``worker`` (a rank's entry point).
+The runtime never imports this package.
 
 Importing ``kvgen.engine`` does not import torch: the names below load on
 first use.
