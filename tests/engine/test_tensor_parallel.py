@@ -136,3 +136,31 @@ def test_nccl_tp_matches_tp1_on_gpus(stories, tp, eager):
         info = eng.runner.rank_info()
     assert all(i["steps"] == info[0]["steps"] and i["free_pages"] == i["pages"] for i in info)
     assert len({tuple(i["kv_heads"]) for i in info}) == min(tp, 4)  # tp=8: each KV head on two ranks
+
+
+def test_a_failure_while_loading_stops_every_worker(stories, tmp_path, monkeypatch):
+    """Rank 0 fails to load its shard (weights not matching config.json): the error propagates, no worker is left."""
+    import json
+    import shutil
+
+    from kvgen.engine import parallel
+
+    bad = tmp_path / "bad"
+    shutil.copytree(stories, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 176}))
+    started = []
+
+    class Recorded(parallel.Workers):
+        def __init__(self, world):
+            super().__init__(world)
+            started.append(self)
+
+    monkeypatch.setattr(parallel, "Workers", Recorded)
+    with pytest.raises(EngineError, match="the config and weights do not match"):
+        LLM(str(bad), tp=2, **SMALL)
+    [workers] = started
+    assert len(workers.procs) == 1 and all(p.poll() is not None for p in workers.procs)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
