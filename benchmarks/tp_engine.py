@@ -131,7 +131,8 @@ def table(records: list[dict]) -> str:
         key = (r["kind"], r["kv"], r.get("B"), r.get("context"), r.get("requests"))
         metric = r["ms"] if r["kind"] == "step" else -r["tokens_per_s"]
         base.setdefault(key, metric)
-    lines = [f"{'kind':<10} {'tp':>2} {'kv':<5} {'shape':<14} {'ms/step':>9} {'roof ms':>8} {'tok/s':>9} {'speedup':>7}"]
+    lines = [f"{'kind':<10} {'tp':>2} {'kv':<5} {'shape':<14} {'ms/step':>9} {'roof ms':>8} {'tok/s':>9} "
+             f"{'speedup':>7}"]
     for r in records:
         if r["kind"] == "equivalence":
             lines.append(f"{'equal?':<10} {r['tp']:>2} {r['kv']:<5} "
@@ -375,7 +376,8 @@ def main(argv=None) -> int:
 
     records: list[dict] = []
     doc = dict(gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", gpus=gpus, torch=torch.__version__,
-               triton=triton.__version__, copy_bandwidth=bw, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               triton=triton.__version__, copy_bandwidth=bw,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                layers=config["num_hidden_layers"], model="tiny" if args.tiny else "llama-3-70b-shape",
                params=param_count(config), env=NO_MULTICAST, records=records)
     out = Path(args.out)
@@ -402,13 +404,15 @@ def main(argv=None) -> int:
             records.extend(equivalence_records(tps, args.device, args.equivalence_tokens))
         except Exception as e:
             traceback.print_exc()
-            records.append(dict(kind="equivalence", engine="kvgen", tp=max(tps), kv="-", error=f"{type(e).__name__}: {e}"))
+            records.append(dict(kind="equivalence", engine="kvgen", tp=max(tps), kv="-",
+                                error=f"{type(e).__name__}: {e}"))
         save()
     for tp in tps:
         wb = weight_bytes_per_rank(config, tp, dtype_bytes)
         for kv in args.kv.split(","):
             if gpu_bytes is not None and wb > WEIGHT_HEADROOM * gpu_bytes:
-                why = f"weights {wb / 2**30:.0f} GiB per GPU exceed {WEIGHT_HEADROOM:.0%} of {gpu_bytes / 2**30:.0f} GiB"
+                why = (f"weights {wb / 2**30:.0f} GiB per GPU exceed {WEIGHT_HEADROOM:.0%} of "
+                       f"{gpu_bytes / 2**30:.0f} GiB")
                 for B, L in shapes:
                     records.append(dict(kind="step", engine="kvgen", tp=tp, kv=kv, B=B, context=L, skipped=why))
                 if reqs:

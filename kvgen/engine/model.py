@@ -161,7 +161,7 @@ class _Body(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The whole decoder plus LM head (``shard``: one rank's share). Build with :func:`kvgen.engine.weights.build_model`."""
+    """The whole decoder plus LM head (``shard``: one rank's share). Built by ``weights.build_model``."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, shard: TPShard | None = None) -> None:
         super().__init__()

@@ -22,7 +22,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def build_model(cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype,
                 shard: TPShard | None = None) -> CausalLM:
-    """A CausalLM (``shard``: one rank's share) with uninitialized parameters allocated once on ``device`` in ``dtype``."""
+    """A CausalLM (``shard``: one rank's share), parameters uninitialized, allocated once on ``device`` in ``dtype``."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # allocate in the final dtype: no float32 copy of a large model
     try:
