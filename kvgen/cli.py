@@ -326,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         command = _command_name(argv)
         args = make_parser(command).parse_args(argv)
+        if command in _MODEL_COMMANDS:
+            _interpret_without_gpu(args)
         code = int(args._run(args) or 0)
         if args.command != "plugins":  # that one shows the failures as its output
             _warn_failed_plugins()
@@ -335,6 +337,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokenPipeError:
         return 0
+    except Exception as exc:
+        if not _is_runtime_error(exc):
+            raise
+        print(f"kvgen: error: {exc}", file=sys.stderr)
+        return 2
+
+
+_MODEL_COMMANDS = ("generate", "serve")
+"""Commands that run a model's kernels: without a GPU they use the Triton CPU interpreter."""
+
+
+def _interpret_without_gpu(args: argparse.Namespace) -> None:
+    """On a machine (or ``--device cpu``) without CUDA, switch Triton to its CPU interpreter.
+
+    Must happen before triton is imported; a user who set TRITON_INTERPRET
+    (either way) or already imported triton is left alone.
+    """
+    import os
+
+    if "TRITON_INTERPRET" in os.environ or "triton" in sys.modules:
+        return
+    device = getattr(args, "device", None)
+    if device is not None and not str(device).startswith("cpu"):
+        return
+    if device is None:
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    os.environ["TRITON_INTERPRET"] = "1"
+    print("kvgen: no GPU: the kernels run on the Triton CPU interpreter (slow; fine for small models)",
+          file=sys.stderr)
+
+
+def _is_runtime_error(exc: BaseException) -> bool:
+    """A user-facing error of kvgen's runtime, or of the runtime copy inside a generated package.
+
+    The runtime imports nothing of kvgen (it ships in every package), so its
+    ``KvgenRuntimeError`` is not a KvgenError, and each package has its own
+    copy of the class: recognize it by name and module.
+    """
+    return any(c.__name__ == "KvgenRuntimeError" and c.__module__.endswith("runtime.errors")
+               for c in type(exc).__mro__)
 
 
 if __name__ == "__main__":
