@@ -21,6 +21,13 @@ Control messages use pipes, not a collective: a worker waits for the next
 step as long as a server idles (no collective timeout), and it exits when
 rank 0's process dies (end of file). Every started process, and rank 0
 before it joins the group, gets :data:`NO_MULTICAST` in its environment.
+
+Start: rank 0 starts the workers, loads its own shard while they load
+theirs, waits for every ``ready`` (a worker's loading error is raised
+here, naming the rank), sends ``join``, and all ranks join the group (a
+file rendezvous in a fresh temporary folder) and capture their decode
+graphs together. A worker that reads end of file or ``stop`` instead of
+``join`` exits: none waits in a rendezvous for a rank 0 that failed.
 """
 
 from __future__ import annotations
@@ -332,6 +339,7 @@ def start_ranks(spec: RankSpec, cache: Any, verbose: bool) -> tuple["TPRunner", 
         workers.start(spec)
         net = rank_model(spec, 0, cache)  # while the workers load theirs
         workers.wait_ready()
+        workers.broadcast(("join",))
         init_group(spec, 0)
         graphs = graphs_for(spec, net, cache, verbose)
     except BaseException:
@@ -403,7 +411,7 @@ def describe(rank: int, cache: Any, runner: Any) -> dict[str, Any]:
 
 
 def worker_main(rank: int, down: Connection, up: Connection) -> int:
-    """A worker's whole life: load, say ready, join the group, then replay and run steps until ``stop``."""
+    """A worker's whole life: load, say ready, join the group when told, then replay and run steps until ``stop``."""
     from .runner import ModelRunner
 
     try:
@@ -415,6 +423,11 @@ def worker_main(rank: int, down: Connection, up: Connection) -> int:
         _send(up, f"{sys.exc_info()[0].__name__}: {sys.exc_info()[1]}")
         return 1
     _send(up, "ready")
+    try:  # join the group only when rank 0 says so: if it failed or died meanwhile, exit instead of waiting
+        if _recv(down)[0] != "join":
+            return 0
+    except EOFError:
+        return 0
     init_group(spec, rank)
     runner = ModelRunner(net, cache, graphs_for(spec, net, cache, verbose=False))
     import torch.distributed as dist
