@@ -553,7 +553,8 @@ def _check_kernels_can_run(device: torch.device, kernels: Mapping[str, ModuleTyp
 
 def load(plan: Mapping[str, Any], kernels: Mapping[str, ModuleType], device: torch.device | str | None = None,
          max_tokens: int | None = None, num_layers: int | None = None, dtype: torch.dtype | str | None = None,
-         tp_rank: int = 0, tp_size: int = 1, autotune: bool = True, **kwargs: Any) -> KVCache:
+         tp_rank: int = 0, tp_size: int = 1, autotune: bool = True, warmup: bool | None = None,
+         **kwargs: Any) -> KVCache:
     """A :class:`KVCache` for ``plan`` (plan.json as a dict) with ``kernels`` (op -> generated module).
 
     ``device``: default the current CUDA device, else the CPU. ``max_tokens``:
@@ -565,6 +566,24 @@ def load(plan: Mapping[str, Any], kernels: Mapping[str, ModuleType], device: tor
     process's tensor-parallel shard (``tp_size`` must equal the plan's tp).
     ``autotune``: tune kernel configs on first use of each shape bucket (GPU
     only; results persist under the cache directory).
+    ``warmup``: compile the kernel variants steps will pick now, so no request
+    waits for Triton (see :mod:`.warmup`; CUDA only, a few seconds, less with
+    Triton's on-disk cache warm); default ``KVGEN_WARMUP`` (on). What it did
+    is ``cache.warmup_report``; a warm-up that fails is a warning, never an error.
     """
-    return KVCache(plan, kernels, device=device, max_tokens=max_tokens, num_layers=num_layers, dtype=dtype,
-                   tp_rank=tp_rank, tp_size=tp_size, autotune=autotune, **kwargs)
+    cache = KVCache(plan, kernels, device=device, max_tokens=max_tokens, num_layers=num_layers, dtype=dtype,
+                    tp_rank=tp_rank, tp_size=tp_size, autotune=autotune, **kwargs)
+    from .env import warmup_enabled
+    from .warmup import WarmupReport, warm_up
+
+    if not (warmup_enabled() if warmup is None else warmup):
+        cache.warmup_report = WarmupReport(skipped="turned off (warmup=False or KVGEN_WARMUP=0)")
+        return cache
+    try:
+        cache.warmup_report = warm_up(cache)
+    except Exception as err:  # the kernels still compile on first use: slower, never wrong
+        import warnings
+        warnings.warn(f"kvgen: kernel warm-up failed ({type(err).__name__}: {err}); kernels compile on first "
+                      f"use instead", RuntimeWarning, stacklevel=2)
+        cache.warmup_report = WarmupReport(skipped=f"failed: {type(err).__name__}: {err}")
+    return cache

@@ -13,6 +13,8 @@ re-exports it for the compiler side.
   otherwise a model of the kernel, never timing while a request waits;
   ``sync`` also tunes a new bucket on first use (a few seconds, once);
   ``off`` ignores tuned winners too (the model's configs only).
+- ``KVGEN_WARMUP``: ``0``/``off``/``false`` skips compiling the kernels'
+  variants at ``load()`` (default on; CUDA only, see ``runtime/warmup.py``).
 - ``TRITON_INTERPRET``: when ``1``, Triton kernels run on the CPU
   interpreter; kvgen then skips autotuning and keeps tensors on the CPU.
 """
@@ -54,3 +56,8 @@ def autotune_mode() -> str:
         from .errors import KvgenRuntimeError
         raise KvgenRuntimeError(f"KVGEN_AUTOTUNE must be one of {', '.join(AUTOTUNE_MODES)}, got {raw!r}")
     return raw
+
+
+def warmup_enabled() -> bool:
+    """``KVGEN_WARMUP``: False when set to ``0``, ``off``, ``false`` or ``no``; default True."""
+    return os.environ.get("KVGEN_WARMUP", "").strip().lower() not in ("0", "off", "false", "no")
