@@ -8,8 +8,11 @@ an empty autotune cache (a fresh KVGEN_CACHE_DIR) in the default mode (no
 timing on the request path), fills every sequence to just under the context
 and measures, wall clock with a device synchronize:
 
+- ``warmup_s``: the load-time kernel warm-up (``runtime/warmup.py``, what
+  ``load()`` runs by default), timed apart from ``load_s``, with
+  ``warmup_scenarios`` run (``--no-warmup`` skips it, as before it existed);
 - ``first_step_s``: the first ``plan_step`` + ``append_kv`` + ``decode`` of the
-  bucket (config lookup, any Triton compile of the chosen variant, the run);
+  bucket after the warm-up (config lookup, any Triton compile left, the run);
 - ``steady_step_s``: the same step again with the model's config (median of 3);
 - ``tune_s``: ``autotune.tune`` of the decode bucket ahead of time (what
   ``kvgen tune`` runs), with ``tune_candidates`` timed; ``prefill_tune_s``
@@ -79,8 +82,16 @@ def case(scheme, shape, args, device, dtype_name, tmp):
     tuner = rt.Autotuner(device, mode="cached", directory=os.path.join(tmp, f"tune-{scheme}-{B}x{L}"),
                          timer=timer, progress=False)
     t0 = time.perf_counter()
-    cache = pkg.load(device=device, max_tokens=B * L + 4 * PAGE * B, num_layers=1, max_seqs=B, autotuner=tuner)
+    cache = pkg.load(device=device, max_tokens=B * L + 4 * PAGE * B, num_layers=1, max_seqs=B, autotuner=tuner,
+                     warmup=False)
     rec["load_s"] = time.perf_counter() - t0
+    if not args.no_warmup:  # what load() does by default, timed on its own
+        wu = importlib.import_module(pkg.__name__ + ".runtime.warmup")
+        t0 = time.perf_counter()
+        report = wu.warm_up(cache, force=args.smoke)
+        rec["warmup_s"] = time.perf_counter() - t0
+        rec["warmup_scenarios"] = len(report.scenarios)
+        rec["warmup_skipped"] = report.skipped
     dtype = cache.dtype
     ids = list(range(B))
     for i in ids:
@@ -159,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (run with TRITON_INTERPRET=1)")
     ap.add_argument("--cold-triton", action="store_true", help="an empty TRITON_CACHE_DIR (compile from scratch)")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill tuning measurement")
+    ap.add_argument("--no-warmup", action="store_true", help="load without the kernel warm-up (as before it)")
     args = ap.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="kvgen-first-step-")
     if args.cold_triton:
