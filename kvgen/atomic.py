@@ -2,10 +2,11 @@
 
 This is kvgen's one helper for writing things other processes may read at
 the same time. It imports nothing heavy (the CLI uses it) and nothing from
-kvgen but the error type.
+kvgen but the error type and the runtime's standard-library file helper.
 
 Files
-    :func:`write_atomic` writes a temporary sibling, then ``os.replace``: a
+    :func:`write_atomic` (defined in :mod:`kvgen.runtime.atomic_io`, so the
+    runtime shares it) writes a temporary sibling, then ``os.replace``: a
     reader sees the old bytes or the new ones, never a mix. New files get the
     usual ``0o666 & ~umask`` permissions (``tempfile.mkstemp`` would give 0600).
 
@@ -53,11 +54,12 @@ import re
 import secrets
 import shutil
 import sys
-import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from kvgen.errors import KvgenError
+from kvgen.runtime.atomic_io import LockTimeout, folder_lock
+from kvgen.runtime.atomic_io import write_atomic  # noqa: F401  (re-exported: kvgen's one atomic-write helper)
 
 LOCK_TIMEOUT_S = 60.0
 _STALE = r"\.{name}\.kvgen-(?:new|old)-[0-9a-f]{{12}}"
@@ -73,67 +75,27 @@ def _describe(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str, *, encoding: str = "utf-8") -> None:
-    """Write ``data`` to ``path`` through a temporary sibling and ``os.replace`` (never half-written).
-
-    Missing parent folders are created. OSErrors propagate unchanged: the
-    caller knows whether an unwritable path is the user's mistake or a cache
-    that may fail quietly.
-    """
-    path = Path(path)
-    if isinstance(data, str):
-        data = data.encode(encoding)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 @contextlib.contextmanager
 def locked(directory: str | os.PathLike, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Hold the writers' lock of ``directory`` (an existing folder); :class:`OutputError` after ``timeout`` s."""
+    """Hold the writers' lock of ``directory`` (an existing folder); :class:`OutputError` after ``timeout`` s.
+
+    The ``flock`` on the folder itself is :func:`kvgen.runtime.atomic_io.folder_lock` (the runtime's CUDA
+    build cache takes the same lock); where folders cannot be locked, a ``.kvgen.lock`` file through filelock.
+    """
     directory = Path(directory)
+    stack = contextlib.ExitStack()
     try:
-        import fcntl
-    except ImportError:  # not POSIX: a lock file beside the outputs
-        fcntl = None
-    fd = None
-    if fcntl is not None:
-        try:
-            fd = os.open(directory, os.O_RDONLY)
-        except OSError as exc:
-            raise OutputError(f"cannot open {directory} to lock it: {_describe(exc)}") from None
-    try:
-        if fd is not None:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    pass
-                except OSError:  # a file system without flock on folders (some network ones)
-                    os.close(fd)
-                    fd = None
-                    break
-                if time.monotonic() >= deadline:
-                    raise OutputError(f"another kvgen process has been writing in {directory} for over {timeout:g} s; "
-                                      "wait for it to finish, or stop it, and try again")
-                time.sleep(0.05)
-        if fd is None:
-            yield from _file_locked(directory, timeout)
-        else:
+        held = stack.enter_context(folder_lock(directory, timeout))
+    except LockTimeout:
+        raise OutputError(f"another kvgen process has been writing in {directory} for over {timeout:g} s; "
+                          "wait for it to finish, or stop it, and try again") from None
+    except OSError as exc:
+        raise OutputError(f"cannot open {directory} to lock it: {_describe(exc)}") from None
+    with stack:
+        if held:
             yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # closing the descriptor releases the flock
+        else:
+            yield from _file_locked(directory, timeout)
 
 
 def _file_locked(directory: Path, timeout: float) -> Iterator[None]:

@@ -217,6 +217,24 @@ def test_compiler_side_build_is_the_library_the_loader_looks_up(tmp_path, monkey
     assert "not a CUDA arch" in build_package({"kernels/decode.cu": "// y\n"}, "cpu").skipped
 
 
+def test_compiler_and_loader_take_one_lock_and_write_libraries_alike(tmp_path):
+    from kvgen.atomic import locked
+
+    nvcc, _ = _fake_nvcc(tmp_path)
+    old = os.umask(0o022)
+    try:
+        loaded = cuda_loader.build("// l\n", "sm_90a", root=tmp_path / "cache", nvcc=nvcc)
+        compiled = cuda_loader.build("// c\n", "sm_90a", root=tmp_path / "cache", nvcc=nvcc, locked=locked)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(loaded.stat().st_mode) == stat.S_IMODE(compiled.stat().st_mode) == 0o755
+    folder = tmp_path / "cache" / "cuda"
+    with locked(folder):  # kvgen compile holds the folder: a loading application waits for it
+        with pytest.raises(cuda_loader.CudaBuildError, match="another process has been building"):
+            with cuda_loader._locked(folder, timeout=0.2):
+                pass
+
+
 # --------------------------------------------------------------------------- packages
 
 

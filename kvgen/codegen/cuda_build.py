@@ -2,9 +2,9 @@
 
 The build itself (nvcc flags, cache key, library path) is
 :mod:`kvgen.runtime.cuda_loader`'s, so a library built here is exactly the
-one the generated package looks up at first load; here it is written with
-kvgen's one atomic-write helper under kvgen's folder lock
-(:mod:`kvgen.atomic`), which use the same ``flock`` protocol as the loader.
+one the generated package looks up at first load, written the same way;
+only the lock is the compiler side's (:func:`kvgen.atomic.locked`: the
+loader's ``flock``, with ``OutputError`` messages and a lock-file fallback).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvgen.atomic import locked, write_atomic
+from kvgen.atomic import locked
 from kvgen.runtime import cuda_loader
 
 
@@ -27,7 +27,7 @@ def build_arch(arch: str) -> str | None:
 
 def build_source(source: str, arch: str, root: Path | None = None) -> Path:
     """The library of ``source`` for ``arch`` in the build cache (built now unless it is there)."""
-    return cuda_loader.build(source, arch, root=root, locked=locked, write=write_atomic)
+    return cuda_loader.build(source, arch, root=root, locked=locked)
 
 
 @dataclass

@@ -14,12 +14,12 @@ library built by the same source and arch with any nvcc version is used
 does loading fail, with a message saying what to install.
 
 Writes: nvcc runs in a private temporary folder, then the library's bytes
-are written atomically (temporary sibling + ``os.replace``) under an
-``flock`` on the ``cuda`` cache folder itself -- the same protocol as the
-compiler side's :func:`kvgen.atomic.locked` / ``write_atomic``, which
-:func:`build` accepts in place of its own (``locked=``, ``write=``), so
-``kvgen compile`` and a loading application exclude each other and neither
-ever sees half a library.
+are written atomically (:func:`.atomic_io.write_atomic`, kvgen's one
+atomic-write helper) under an ``flock`` on the ``cuda`` cache folder itself
+(:func:`.atomic_io.folder_lock`, which :func:`kvgen.atomic.locked` also
+takes; the compiler side passes that as ``locked=``), so ``kvgen compile``
+and a loading application exclude each other and neither ever sees half a
+library.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from .atomic_io import LockTimeout, folder_lock, write_atomic
 from .env import cache_dir
 from .errors import KvgenRuntimeError
 
@@ -132,51 +132,30 @@ def compile_source(source: str, arch: str, nvcc: str) -> bytes:
 
 @contextlib.contextmanager
 def _locked(directory: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """flock on the folder itself (as kvgen.atomic.locked); without flock, no lock (writes stay atomic)."""
-    try:
-        import fcntl
-        fd = os.open(directory, os.O_RDONLY)
-    except (ImportError, OSError):
-        yield
-        return
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise CudaBuildError(f"another process has been building in {directory} for over {timeout:g} s; "
-                                         "wait for it or stop it, and try again") from None
-                time.sleep(0.05)
-            except OSError:  # a file system without flock on folders
-                break
-        yield
-    finally:
-        os.close(fd)
+    """The flock on the folder itself (:func:`.atomic_io.folder_lock`, as kvgen.atomic.locked takes it).
 
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    Where the folder cannot be opened or locked, no lock: the write itself stays atomic.
+    """
+    stack = contextlib.ExitStack()
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        stack.enter_context(folder_lock(directory, timeout))
+    except LockTimeout:
+        raise CudaBuildError(f"another process has been building in {directory} for over {timeout:g} s; "
+                             "wait for it or stop it, and try again") from None
+    except OSError:
+        pass
+    with stack:
+        yield
 
 
 def build(source: str, arch: str, *, root: Path | None = None, nvcc: str | None = None,
-          locked: Callable[[Path], contextlib.AbstractContextManager] = _locked,
-          write: Callable[[Path, bytes], None] = _write_atomic) -> Path:
+          locked: Callable[[Path], contextlib.AbstractContextManager] = _locked) -> Path:
     """The library of ``source`` for ``arch`` in the build cache, built now if it is not there yet.
 
-    ``locked(folder)`` and ``write(path, bytes)`` serialize builders and
-    write atomically (the compiler side passes kvgen.atomic's helpers).
+    ``locked(folder)`` serializes builders (the compiler side passes
+    kvgen.atomic.locked: the same flock, with its own error type); the
+    library is written with :func:`.atomic_io.write_atomic` (mode 0o777 less
+    the umask, as a linker's output).
     """
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
@@ -192,7 +171,7 @@ def build(source: str, arch: str, *, root: Path | None = None, nvcc: str | None 
                              "set KVGEN_CACHE_DIR to a writable folder") from None
     with locked(path.parent):
         if not path.is_file():  # another process may have built it while we waited
-            write(path, compile_source(source, arch, nvcc))
+            write_atomic(path, compile_source(source, arch, nvcc), mode=0o777)
     return path
 
 
