@@ -6,6 +6,10 @@ nothing heavy at module level. :func:`lazy_import` gives a module object
 that imports on first attribute use, so a scheme's torch reference reads as
 usual (``torch = lazy_import("torch")`` at the top, ``torch.where(...)`` in
 ``quantize_page``) while listing and planning never load torch.
+
+Also here, so plugins share it rather than copy it: :func:`write_atomic`
+(kvgen's one atomic-write helper, for a plugin's own files such as fitted
+codebooks).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 
 import pluggy
 
+from kvgen.atomic import write_atomic
 from kvgen.errors import KvgenError, SchemeCapabilityError, SchemeOptionError
 from kvgen.schemes import COMPUTE, PageTensor, Scheme
 
@@ -52,4 +57,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["hookimpl", "lazy_import", "KvgenError", "SchemeCapabilityError", "SchemeOptionError", "Scheme",
-           "PageTensor", "COMPUTE", "D", "P"]
+           "PageTensor", "COMPUTE", "D", "P", "write_atomic"]

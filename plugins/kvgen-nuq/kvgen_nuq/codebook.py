@@ -37,10 +37,9 @@ import math
 import os
 import stat
 import struct
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from kvgen.plugin_api import KvgenError, lazy_import
+from kvgen.plugin_api import KvgenError, lazy_import, write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -276,7 +275,9 @@ def save_codebooks(path: str | os.PathLike, fits: dict[int, dict[str, Any]], met
     page size (a string key, JSON objects have no integer keys) the
     ``pooled`` codebook (the one kvgen's kernels use today), the per-layer
     ``layers`` (for a runtime that can feed per-layer codebooks) and the fit
-    statistics. Levels are float32 values written exactly.
+    statistics. Levels are float32 values written exactly. The write is
+    atomic (kvgen's :func:`~kvgen.plugin_api.write_atomic`): a reader never
+    sees half a file, and concurrent writers never share a temporary file.
     """
     data = {"format": FORMAT, "levels": LEVELS, **meta, "codebooks": {}}
     for page, fit in sorted(fits.items()):
@@ -285,11 +286,7 @@ def save_codebooks(path: str | os.PathLike, fits: dict[int, dict[str, Any]], met
             "layers": [[float32(float(v)) for v in cb] for cb in fit["layers"]],
             "stats": fit.get("stats", []),
         }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 MAX_FILE_BYTES = 16 * 2**20
