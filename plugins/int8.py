@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import importlib.resources
 
-from kvgen.plugin_api import PageTensor, Scheme, hookimpl, lazy_import
+from kvgen.plugin_api import PageTensor, Scheme, hookimpl, lazy_import, split_nonfinite
 
 torch = lazy_import("torch")  # only the reference quantize/dequantize need it; listing and planning never load it
 
@@ -50,10 +50,8 @@ def quantize_tokens(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.T
     the kernels). The macros compute the marker the same way; ``amax``
     alone would not do, as GPU max reductions skip NaN.
     """
-    x = x.float()
-    zeros = x * 0
+    x, zeros = split_nonfinite(x.float())
     bad = zeros.sum(-1)
-    x = torch.where(zeros == 0, x, zeros.new_zeros(()))
     amax = x.abs().amax(-1)
     scale = amax / qmax
     div = torch.where(amax > 0, scale, torch.ones_like(scale))

@@ -86,7 +86,8 @@ import importlib.resources
 import math
 from typing import TYPE_CHECKING
 
-from kvgen.plugin_api import PageTensor, Scheme, SchemeOptionError, hookimpl, lazy_import
+from kvgen.plugin_api import (FP16_LIMIT, PageTensor, Scheme, SchemeOptionError, half_toward_zero, hookimpl,
+                              lazy_import, split_nonfinite)
 from kvgen.schemes import symbols
 
 if TYPE_CHECKING:
@@ -125,42 +126,26 @@ def kivi_group(d: "sympy.Expr") -> "sympy.Expr":
     return _kivi_group_function()(d)
 
 
-FP16_LIMIT = 65440.0
-"""Largest magnitude KIVI stores (float16's 65504 less two of its top ulps): K/V beyond it saturate.
-
-Scale and zero are float16, and the float16 decode path dequantizes as
-``(code - C) * scale + (zero + C * scale)`` in float16 (``C = (levels + 1) // 2``,
-see ``kivi.j2``). With every input within this limit, ``scale <= 65504 / C``
-and ``zero + levels * scale <= FP16_LIMIT`` (both enforced on the scale), every
-dequantized value and every intermediate of that path stays finite, its
-roundings included."""
-
-
-def _half_toward_zero(x: torch.Tensor) -> torch.Tensor:
-    """Float32 ``x >= 0`` as the float16 nearest it from below (the kernels' store_page does the same)."""
-    h = x.to(torch.float16)
-    below = (h.view(torch.int16) - 1).view(torch.float16)
-    return torch.where(h.float() > x, below, h)
-
-
 def _quantize(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric round-to-nearest codes of float32 ``x`` over ``dim``: (codes uint8, scale fp16, zero fp16), keepdim.
 
-    Inputs are clamped to +-``FP16_LIMIT``, and the scale is capped so that
-    the group's largest dequantized value stays within it (only groups
-    reaching the limit are affected). A group holding a NaN or an Inf stores
+    Inputs are clamped to +-``FP16_LIMIT`` (:data:`kvgen.plugin_api.FP16_LIMIT`), and the scale is
+    capped so that ``scale <= 65504 / C`` and ``zero + levels * scale <= FP16_LIMIT`` (``C = (levels
+    + 1) // 2``): every value and intermediate of the float16 decode path ``(code - C) * scale + (zero
+    + C * scale)`` (``kivi.j2``) stays finite, roundings included; only groups reaching the limit
+    are affected. A group holding a NaN or an Inf stores
     scale NaN (``x * 0`` summed over the group), so it dequantizes to NaN;
     its codes and zero are those of the group with the non-finite entries
     set to 0. The macros in ``kivi.j2`` run the same arithmetic.
     """
-    zeros = x * 0
+    x, zeros = split_nonfinite(x)
     bad = zeros.sum(dim, keepdim=True)
-    x = torch.where(zeros == 0, x, zeros.new_zeros(())).clamp(-FP16_LIMIT, FP16_LIMIT)
+    x = x.clamp(-FP16_LIMIT, FP16_LIMIT)
     mn = x.amin(dim, keepdim=True)
     mx = x.amax(dim, keepdim=True)
     zero = mn.to(torch.float16)
     cap = ((FP16_LIMIT - zero.float()) / levels).clamp(max=65504.0 / ((levels + 1) // 2))
-    scale = torch.minimum(((mx - mn) / levels).to(torch.float16), _half_toward_zero(cap))
+    scale = torch.minimum(((mx - mn) / levels).to(torch.float16), half_toward_zero(cap))
     s, z = scale.float(), zero.float()
     ok = s > 0
     # floor(y + 0.5) rather than torch.round: the kernels round half up too, and codes must match.

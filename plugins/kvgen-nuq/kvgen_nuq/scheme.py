@@ -112,7 +112,8 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-from kvgen.plugin_api import KvgenError, PageTensor, Scheme, lazy_import
+from kvgen.plugin_api import (FP16_LIMIT, KvgenError, PageTensor, Scheme, half_toward_zero, lazy_import,
+                              split_nonfinite)
 from kvgen_nuq.codebook import (CodebookError, channel_range, check_codebook, encode, level_midpoints, load_codebooks,
                                 normalize, outliers_per_token, split_outliers)
 
@@ -175,26 +176,15 @@ def unpack4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 15, b >> 4], -1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-FP16_LIMIT = 65440.0
-"""Largest magnitude nuq4 stores; K/V beyond it saturate. Scales, zeros and outliers are float16: with
-inputs within 65504 less two top ulps, and the key scale capped so that ``|level| * scale + |zero|``
-stays within it, every dequantized value is finite in float16, roundings included (KIVI's limit too)."""
-
-
 def _finite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x with NaN/Inf set to 0 and clamped to +-FP16_LIMIT, x * 0)``; the macros do the same.
 
-    ``x * 0`` summed over a group is 0, or NaN when the group holds a NaN or an Inf:
-    the marker that turns the group's stored scale (or outlier) NaN."""
-    zeros = x * 0
-    return torch.where(zeros == 0, x, zeros.new_zeros(())).clamp(-FP16_LIMIT, FP16_LIMIT), zeros
-
-
-def _half_toward_zero(x: torch.Tensor) -> torch.Tensor:
-    """Float32 ``x >= 0`` as the float16 nearest it from below (as store_page in nuq4.j2)."""
-    h = x.to(torch.float16)
-    below = (h.view(torch.int16) - 1).view(torch.float16)
-    return torch.where(h.float() > x, below, h)
+    ``FP16_LIMIT`` (:data:`kvgen.plugin_api.FP16_LIMIT`, KIVI's limit too): with inputs within it and
+    the key scale capped so that ``|level| * scale + |zero|`` stays within it, every dequantized value
+    is finite in float16 (scales, zeros and outliers are float16), roundings included. ``x * 0`` summed
+    over a group is the marker that turns the group's stored scale (or outlier) NaN."""
+    x, zeros = split_nonfinite(x)
+    return x.clamp(-FP16_LIMIT, FP16_LIMIT), zeros
 
 
 def quantize_values(v: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -371,7 +361,7 @@ class Nuq4(Scheme):
         cb = self.codebook(page)
         # every dequantized key, level * scale + zero, stays within FP16_LIMIT (levels may pass +-1)
         cap = ((FP16_LIMIT - zero.float().abs()) / cb.abs().max()).clamp(max=65504.0)
-        scale = torch.minimum(scale, _half_toward_zero(cap))
+        scale = torch.minimum(scale, half_toward_zero(cap))
         x = normalize(k, scale, zero)
         codes = torch.where(scale.unsqueeze(-2) > 0, encode(x, cb), 0)
         vc, vs, vz = quantize_values(v.float(), value_group(d))
