@@ -25,15 +25,10 @@ import sys
 import tempfile
 import time
 
-ANCHORS = [  # (B, L, Hq, Hkv, D), docs ANCHORS.md
-    (32, 4096, 64, 8, 128),
-    (32, 16384, 64, 8, 128),
-    (8, 32768, 64, 8, 128),
-    (1, 131072, 64, 8, 128),
-    (64, 2048, 32, 8, 128),
-    (16, 8192, 32, 4, 64),
-]
-PAGE = 16
+from benchmarks.run import ANCHOR_SHAPES as ANCHORS
+from benchmarks.run import PAGE, copy_bandwidth
+from kvgen.atomic import write_atomic
+
 BYTES_PER_TOKEN_HEAD = {"bf16": lambda d: 4 * d, "fp16": lambda d: 4 * d, "int8": lambda d: 2 * d + 8}
 
 
@@ -54,14 +49,6 @@ def _compile(scheme, backend, B, L, Hq, Hkv, D, out_dir):
     t0 = time.perf_counter()
     res = compile_plan(plan, os.path.join(out_dir, f"{scheme}-{backend}-{B}x{L}-{Hq}-{Hkv}-{D}"), backend=backend)
     return import_package(res.out_dir), time.perf_counter() - t0, res
-
-
-def _copy_bandwidth(torch):
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    from triton.testing import do_bench
-    ms = do_bench(lambda: y.copy_(x), warmup=10, rep=50)
-    return 2 * x.numel() / (ms * 1e-3)
 
 
 def _run_package(pkg, shape, seed, tune, tmp, label):
@@ -177,7 +164,7 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     os.environ.setdefault("KVGEN_CACHE_DIR", tempfile.mkdtemp(prefix="kvgen-cuda-bench-"))
-    copy_bw = _copy_bandwidth(torch)
+    copy_bw = copy_bandwidth()
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "copy_bw_Bps": copy_bw}
     records = []
@@ -194,8 +181,7 @@ def main(argv=None) -> int:
                 rec["sdpa_ms"] = sdpa
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
-                with open(args.out, "w") as f:
-                    json.dump({"meta": meta, "records": records}, f, indent=1)
+                write_atomic(args.out, json.dumps({"meta": meta, "records": records}, indent=1))
     print(_table(records))
     return 0
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.run import copy_bandwidth
+from kvgen.atomic import write_atomic
 
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
@@ -292,9 +293,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save():
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.replace(out)
+        write_atomic(out, json.dumps(doc, indent=1))
 
     def attempt(fn, *a, **kw):
         try:
@@ -324,7 +323,6 @@ def main(argv=None) -> int:
         budget = (2 if q else args.kv_bound_gb) * 2**30
         for kv in kvs:
             def kv_bound(kv=kv):
-                from kvgen.engine.loader import build_engine  # noqa: F401  (planning only below)
                 eng = make_engine(kv, max_model_len=ctx + 256, max_num_seqs=256, max_tokens=4096)
                 per_token = eng.plan.kv_bytes_per_token
                 holder = [eng]

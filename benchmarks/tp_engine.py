@@ -46,6 +46,7 @@ import time
 import traceback
 from pathlib import Path
 
+from kvgen.atomic import write_atomic
 from kvgen.engine.parallel import NO_MULTICAST  # torch-free
 
 os.environ.update(NO_MULTICAST)  # before torch or NCCL load in this process
@@ -384,9 +385,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.replace(out)
+        write_atomic(out, json.dumps(doc, indent=1))
 
     def attempt(base: dict, fn, *a) -> None:
         try:

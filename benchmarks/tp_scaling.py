@@ -121,10 +121,9 @@ def _header(opts: dict, world: int) -> dict:
 
 
 def _write(path: str, obj: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    from kvgen.atomic import write_atomic
+
+    write_atomic(path, json.dumps(obj, indent=1, default=str) + "\n")
 
 
 def _spawn(fn, world: int, opts: dict, deadline_s: float) -> str | None:
