@@ -197,8 +197,8 @@ def test_bytes_per_token_per_kv_head():
     assert int2.bytes_per_token_per_kv_head(128, 16) == 112.0      # 32 + 32 + 32 + 16
     assert int2.bytes_per_token_per_kv_head(128, 32) == 96.0
     assert int4.bytes_per_token_per_kv_head(80, 16) == 120.0       # value group 16 at D=80
-    # The formula (bytes_per_token_expr) matches the declared storage for every supported shape. The
-    # planner's own number counts the page tensors, so only the formula can disagree with them.
+    # The formula (bytes_per_token_expr) and the planner's number (counted from the page tensors with
+    # kvgen's dtype table) match the storage torch allocates for every supported shape.
     d_sym, p_sym = symbols()
     for s in (int4, int2):
         expr = s.bytes_per_token_expr()
@@ -206,6 +206,7 @@ def test_bytes_per_token_per_kv_head():
             for p in s.page_sizes:
                 stored = sum(t.nbytes_per_page_head(torch.float16) for t in s.page_tensors(d, p))
                 assert float(expr.subs({d_sym: d, p_sym: p})) == pytest.approx(stored / p), (s.name, d, p)
+                assert s.bytes_per_token_per_kv_head(d, p) == pytest.approx(stored / p), (s.name, d, p)
 
 
 def test_value_group_and_capabilities():
