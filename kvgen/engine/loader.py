@@ -20,14 +20,16 @@ from typing import Any
 
 import torch
 
+from kvgen.planner.workload import COMPUTE_DTYPES
+
 from .config import ModelConfig
 from .engine import LLMEngine
 from .errors import EngineError
 from .runner import ModelRunner
 from .weights import build_model, load_weights, random_weights
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {**{alias: getattr(torch, name) for alias, name in COMPUTE_DTYPES.items()}, "half": torch.float16}
+"""The engine's dtype names: the planner's (``--dtype`` of kvgen plan) plus torch's ``half``."""
 CPU_BATCHED_TOKENS = 256
 GPU_BATCHED_TOKENS = 8192
 MAX_NUM_SEQS = 256
