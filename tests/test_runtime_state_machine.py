@@ -43,6 +43,7 @@ from kvgen.planner.planner import make_plan
 from kvgen.planner.workload import Workload
 from kvgen.registry import default_registry
 from kvgen.runtime import COMPRESSED, RESIDUAL, OutOfPages, load
+from kvgen.runtime.tiering import HOST, HOST_COMPRESSED, HOST_RESIDUAL
 from kvgen.targets import resolve_target
 
 from kernels import harness as hz
@@ -120,12 +121,16 @@ class RuntimeMachine(RuleBasedStateMachine):
 
     CASE: tuple = CASES[0]
 
+    HOST_TOKENS: int | None = None  # a host tier of this many tokens (tests/test_host_tier_state_machine.py)
+    MAX_SEQS = 4
+
     def __init__(self) -> None:
         super().__init__()
         self.c = case(*self.CASE)
         # Small pools: steps run out of pages now and then, and pages are reused often.
         self.cache = load(self.c.plan, self.c.kernels, device=hz.device(), max_tokens=32 * self.c.page,
-                          num_layers=self.c.layers, autotune=False, max_seqs=4, zero=True)
+                          num_layers=self.c.layers, autotune=False, max_seqs=self.MAX_SEQS, zero=True,
+                          host_tokens=self.HOST_TOKENS)
         self.bm = self.cache.block_manager
         self.tokens: dict[int, list[int]] = {}
         self.history: list[list[int]] = [[]]
@@ -135,6 +140,10 @@ class RuntimeMachine(RuleBasedStateMachine):
     # -- helpers --------------------------------------------------------------
     def _pick(self, data) -> int:
         return data.draw(st.sampled_from(sorted(self.tokens)))
+
+    def _steppable(self) -> list[int]:
+        """Live sequences a step may name (not swapped out to a host tier)."""
+        return [s for s in sorted(self.tokens) if not self.bm.is_swapped(s)]
 
     def _kv(self, layer: int, sid: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 K, V ``[end - start, H, D]`` of tokens ``[start, end)`` of the sequence."""
@@ -167,8 +176,8 @@ class RuntimeMachine(RuleBasedStateMachine):
         return torch.cat(ks, 1), torch.cat(vs, 1)
 
     def _snapshot(self):
-        return ([(s, self.bm.block_table(s), self.bm.seq_len(s), self.bm.num_compressed(s)) for s in self.tokens],
-                self.bm.num_free_pages(COMPRESSED), self.bm.num_free_pages(RESIDUAL), self.cache.step)
+        return ([(s, self.bm.block_table(s), self.bm.seq_len(s), self.bm.num_compressed(s), self.bm.host_pages(s))
+                 for s in self.tokens], [self.bm.num_free_pages(p) for p in self.bm._pools], self.cache.step)
 
     # -- rules ------------------------------------------------------------------
     @rule(data=st.data(), with_prompt=st.booleans())
@@ -199,12 +208,12 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.cache.free(sid)
         del self.tokens[sid]
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: self._steppable())
     @rule(data=st.data(), with_ids=st.sampled_from([True, True, False]),
           mode=st.sampled_from(["decode", "fresh", "decode_kv", "pages"]))
     def step(self, data, with_ids: bool, mode: str) -> None:
         # Like an engine's batch: usually every live sequence, in any order; sometimes only some.
-        order = list(data.draw(st.permutations(sorted(self.tokens))))[:4]
+        order = list(data.draw(st.permutations(self._steppable())))[:4]
         batch = order if data.draw(st.booleans()) else order[:data.draw(st.integers(1, len(order)))]
         if data.draw(st.booleans()):  # parallel sampling: fork a member and step both in this batch
             child = self.next_id
@@ -283,23 +292,28 @@ class RuntimeMachine(RuleBasedStateMachine):
         assert bm.sequences() == list(self.tokens)
         refs: Counter = Counter()
         for sid, toks in self.tokens.items():
-            table, nc = bm.block_table(sid), bm.num_compressed(sid)
+            table, nc, on_host = bm.block_table(sid), bm.num_compressed(sid), bm.host_pages(sid)
             assert bm.seq_len(sid) == len(toks) and len(table) == -(-len(toks) // P)
             for i, page in enumerate(table):
-                refs[(COMPRESSED if i < nc else RESIDUAL, page)] += 1
-        for pool in (COMPRESSED, RESIDUAL):
-            size = self.cache.num_pages if pool == COMPRESSED else self.cache.num_residual_pages
+                pool = COMPRESSED if i < nc else RESIDUAL
+                refs[(HOST[pool] if i < on_host else pool, page)] += 1
+        held = bm.num_held_pages()
+        for pool in (COMPRESSED, RESIDUAL, HOST_COMPRESSED, HOST_RESIDUAL):  # every tier: nothing leaks across
+            size = bm._pools[pool].size
             referenced = 0
             for page in range(size):
                 assert bm.ref_count(pool, page) == refs[(pool, page)], (pool, page)
                 referenced += refs[(pool, page)] > 0
-            assert referenced + bm.num_free_pages(pool) == size, f"{pool} pages leaked"
+            assert referenced + bm.num_free_pages(pool) + (held if pool == COMPRESSED else 0) == size, \
+                f"{pool} pages leaked"
 
     def teardown(self) -> None:
         for sid in list(self.tokens):
             self.cache.free(sid)
         assert self.bm.num_free_pages(COMPRESSED) == self.cache.num_pages, "compressed pages leaked"
         assert self.bm.num_free_pages(RESIDUAL) == self.cache.num_residual_pages, "residual pages leaked"
+        for pool in (HOST_COMPRESSED, HOST_RESIDUAL):
+            assert self.bm.num_free_pages(pool) == self.bm._pools[pool].size, f"{pool} pages leaked"
 
 
 @pytest.mark.parametrize("kv, dtype, page, layers, examples", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])

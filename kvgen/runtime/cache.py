@@ -47,9 +47,10 @@ import torch
 from .autotune import Autotuner
 from .block_manager import COMPRESSED, RESIDUAL, BlockManager
 from .env import triton_interpret
-from .errors import KvgenRuntimeError, seq_id_list
+from .errors import KvgenRuntimeError, OutOfPages, seq_id_list
 from .pools import allocate_pool, pool_bytes
-from .step import DeviceBuffers, StepMetadata, build_step
+from .step import DeviceBuffers, StepMetadata, build_step, cold_pages
+from .tiering import HOST, TransferPlan
 
 REQUIRED_OPS = ("decode", "prefill", "cache_write", "page_copy")
 MIN_RESIDUAL_SEQS = 4
@@ -101,22 +102,60 @@ class PagePool:
     a residual, ``rk``/``rv`` as ``[num_residual_pages, H, page, D]`` in the
     compute dtype (see :func:`.pools.allocate_pool`). This dict is what the
     kernels take as ``pools``.
+
+    With ``staging_pages=R > 0`` (a host tier with cold pages) each
+    compressed tensor is one allocation for all layers plus a staging ring
+    of two slots of ``R`` pages after the last layer::
+
+        [ layer 0: N pages | layer 1 | ... | layer L-1 | ring slot 0: R | ring slot 1: R ]
+
+    ``layers[l][name]`` is still layer l's ``[N, H, *shape]`` slice;
+    ``attention_view(l)`` extends layer l's slice to the end of the ring, so
+    a kernel reading that view reaches ring page ``r`` of slot ``s`` as page
+    id ``(L - l) * N + s * R + r`` (the two slots are shared by all layers:
+    layer l's cold pages are staged into slot ``l % 2``).
     """
 
     def __init__(self, page_tensors: Sequence[Mapping[str, Any]], *, num_layers: int, num_pages: int,
                  num_residual_pages: int, num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, residual: bool, zero: bool = False) -> None:
+                 device: torch.device, residual: bool, zero: bool = False, staging_pages: int = 0) -> None:
         self.compressed_names = tuple(t["name"] for t in page_tensors)
         self.num_pages, self.num_residual_pages = num_pages, num_residual_pages if residual else 0
+        self.staging_pages = staging_pages
         self.layers: list[dict[str, torch.Tensor]] = []
-        for _ in range(num_layers):
-            pool = allocate_pool(page_tensors, num_pages, num_kv_heads, dtype, device, zero=zero)
+        self.ring: dict[str, torch.Tensor] = {}
+        whole = None
+        if staging_pages:
+            whole = allocate_pool(page_tensors, num_layers * num_pages + 2 * staging_pages, num_kv_heads, dtype,
+                                  device, zero=zero)
+            self.ring = {n: t[num_layers * num_pages:] for n, t in whole.items()}
+        self._attention: list[dict[str, torch.Tensor]] = []
+        for layer in range(num_layers):
+            if whole is None:
+                pool = allocate_pool(page_tensors, num_pages, num_kv_heads, dtype, device, zero=zero)
+            else:
+                start = layer * num_pages
+                pool = {n: t[start:start + num_pages] for n, t in whole.items()}
             if residual:
                 shape = [page_size, head_dim]
                 pool.update(allocate_pool([{"name": "rk", "dtype": "compute", "shape": shape},
                                            {"name": "rv", "dtype": "compute", "shape": shape}],
                                           num_residual_pages, num_kv_heads, dtype, device, zero=zero))
             self.layers.append(pool)
+            if whole is not None:
+                self._attention.append({**pool, **{n: t[layer * num_pages:] for n, t in whole.items()}})
+
+    def attention_view(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer ``layer``'s pools with the compressed tensors reaching into the staging ring (see above)."""
+        return self._attention[layer]
+
+    def ring_page(self, layer: int, position: int) -> int:
+        """The page id, in ``attention_view(layer)``, of ring position ``position`` of ``layer``'s slot."""
+        return (len(self.layers) - layer) * self.num_pages + (layer % 2) * self.staging_pages + position
+
+    def named(self, layer: int, pool: str) -> dict[str, torch.Tensor]:
+        """One pool's tensors of one layer by name (what the host tier copies)."""
+        return dict(zip(self.compressed_names if pool == COMPRESSED else ("rk", "rv"), self.tensors(layer, pool)))
 
     def tensors(self, layer: int, pool: str) -> list[torch.Tensor]:
         """One pool's tensors of one layer, in kernel order (what page_copy takes)."""
@@ -129,7 +168,7 @@ class PagePool:
 
     def nbytes(self, pool: str | None = None) -> int:
         """Bytes over all layers (``pool``: only ``"compressed"`` or ``"residual"``)."""
-        total = 0
+        total = 0 if pool == RESIDUAL else pool_bytes(self.ring)
         for p in self.layers:
             if pool in (None, COMPRESSED):
                 total += pool_bytes({n: p[n] for n in self.compressed_names})
@@ -147,7 +186,18 @@ class KVCache:
     ``num_kv_heads``/``num_q_heads`` (this rank's), ``head_dim``,
     ``num_pages``/``num_residual_pages``, ``block_manager``, ``page_pool``
     (:class:`PagePool`) and ``pools`` (its per-layer dicts, as kernels take them),
-    ``step`` (the current :class:`StepMetadata`), ``autotuner``.
+    ``step`` (the current :class:`StepMetadata`), ``autotuner``, ``host_tier``
+    (a :class:`~.host_tier.HostTier`, or None).
+
+    Host tier (``host_tokens=N``, or ``"plan"`` for the plan's
+    ``host_tier_bytes``): pages in host memory (pinned on CUDA) in the
+    scheme's own format. :meth:`swap_out`/:meth:`swap_in` move whole
+    sequences (preemption by swap); :meth:`make_cold` keeps a sequence's
+    oldest pages on the host, staged into a device ring of
+    ``staging_tokens`` (default: the host tier's size, at most one layer's
+    pool) one layer ahead of the attention that reads them; prefix-cache
+    pages the LRU evicts spill to the host and come back on a later hit
+    (:meth:`add`). Without a host tier none of this costs anything.
 
     Sequence ids are any hashable values. Errors a caller can cause are
     :class:`KvgenRuntimeError` subclasses (``OutOfPages``, ``UnknownSequence``).
@@ -158,7 +208,8 @@ class KVCache:
                  num_layers: int | None = None, dtype: torch.dtype | str | None = None,
                  tp_rank: int = 0, tp_size: int = 1, autotune: bool = True,
                  autotuner: Autotuner | None = None, max_seqs: int | None = None,
-                 zero: bool = False) -> None:
+                 zero: bool = False, host_tokens: int | str | None = None,
+                 staging_tokens: int | None = None) -> None:
         self.plan = dict(plan)
         missing = [op for op in REQUIRED_OPS if op not in kernels]
         self.residual_tokens = (self.plan.get("scheme_params") or {}).get("residual_tokens")
@@ -193,14 +244,23 @@ class KVCache:
         self.scheme = self.plan["scheme"]
         self.sm_scale = self.head_dim ** -0.5
         self.num_pages, self.num_residual_pages = pool_sizes(self.plan, max_tokens, max_seqs)
+        host_pages, host_residual, staging = self._host_sizes(host_tokens, staging_tokens)
 
         self.page_pool = PagePool(self.plan["page_tensors"], num_layers=self.num_layers, num_pages=self.num_pages,
                                   num_residual_pages=self.num_residual_pages, num_kv_heads=self.num_kv_heads,
                                   page_size=self.page_size, head_dim=self.head_dim, dtype=self.dtype,
-                                  device=self.device, residual=self.residual_tokens is not None, zero=zero)
+                                  device=self.device, residual=self.residual_tokens is not None, zero=zero,
+                                  staging_pages=staging)
         self.pools = self.page_pool.layers
         self.block_manager = BlockManager(self.page_size, self.num_pages, self.num_residual_pages,
-                                          self.residual_tokens, scheme_name=self.scheme)
+                                          self.residual_tokens, scheme_name=self.scheme,
+                                          num_host_pages=host_pages, num_host_residual_pages=host_residual)
+        self.host_tier = None
+        if host_pages:
+            from .host_tier import HostTier
+            self.host_tier = HostTier(self.page_pool, host_pages, host_residual, self.device)
+        self._held: list = []       # (event, ticket): device pages a copy to the host still reads
+        self._arrivals: dict = {}   # sequence -> event of the copies that bring its pages to the device
         self.autotuner = autotuner or Autotuner(self.device, enabled=autotune)
         self._hashes = {op: (self.plan.get("kernels") or {}).get(op, {}).get("hash") for op in self.kernels}
         self._buffers = DeviceBuffers(self.device)
@@ -217,6 +277,126 @@ class KVCache:
                 f"compressed pages {bm.num_free_pages(COMPRESSED)}/{self.num_pages} free{residual}, "
                 f"sequences={len(bm.sequences())}, dtype={str(self.dtype).replace('torch.', '')}, "
                 f"device={self.device}, tp={self.tp_rank}/{self.tp_size})")
+
+    def _host_sizes(self, host_tokens: int | str | None, staging_tokens: int | None) -> tuple[int, int, int]:
+        """(host compressed pages, host residual pages, staging ring pages per slot)."""
+        if host_tokens is None:
+            if staging_tokens:
+                raise KvgenRuntimeError("staging_tokens needs a host tier; pass host_tokens=N too")
+            return 0, 0, 0
+        if host_tokens == "plan":
+            per_token = int(self.plan.get("kv_bytes_per_token_per_gpu") or 0)
+            host_tokens = int(self.plan.get("host_tier_bytes") or 0) // per_token if per_token else 0
+            if host_tokens <= 0:
+                raise KvgenRuntimeError("the plan has no host tier (host_tier_bytes is 0); pass host_tokens=N")
+        if not isinstance(host_tokens, int) or isinstance(host_tokens, bool) or host_tokens <= 0:
+            raise KvgenRuntimeError(f"host_tokens must be a positive int or 'plan', got {host_tokens!r}")
+        P = self.page_size
+        pages = -(-host_tokens // P)
+        # A swapped-out sequence of a residual scheme keeps its tail and window pages as residual pages.
+        residual = self.num_residual_pages if self.residual_tokens is not None else 0
+        if staging_tokens is None:
+            staging = min(pages, self.num_pages)
+        elif not isinstance(staging_tokens, int) or isinstance(staging_tokens, bool) or staging_tokens < 0:
+            raise KvgenRuntimeError(f"staging_tokens must be an int >= 0, got {staging_tokens!r}")
+        else:
+            staging = -(-staging_tokens // P)
+        return pages, residual, staging
+
+    # -- host tier -------------------------------------------------------------
+    def swap_out(self, seq_ids: Sequence[Hashable]) -> None:
+        """Move the sequences' pages to the host tier (all or nothing; OutOfPages if it lacks room).
+
+        They keep their tokens but may not be stepped until :meth:`swap_in`.
+        On CUDA the copies run on the host tier's side stream and overlap
+        later steps; the freed device pages are handed out only once the
+        copies have read them.
+        """
+        ids = seq_id_list(seq_ids, "swap_out")
+        tier = self._tier("swap_out")
+        self._reap()
+        plan = self.block_manager.swap_out(ids, hold=tier.cuda)
+        self._run(plan)
+        self._invalidate(ids, "swapped out")
+
+    def swap_in(self, seq_ids: Sequence[Hashable]) -> None:
+        """Bring the sequences' host pages (swapped out or cold) back to the device, all or nothing.
+
+        Raises OutOfPages (nothing changed) when the device lacks pages. On
+        CUDA the next step that names a sequence waits for its copies.
+        """
+        ids = seq_id_list(seq_ids, "swap_in")
+        self._tier("swap_in")
+        plan = self._retry(lambda: self.block_manager.swap_in(ids))
+        ev = self._run(plan)
+        for sid in ids:
+            if ev is not None:
+                self._arrivals[sid] = ev
+        self._invalidate(ids, "swapped in")
+
+    def make_cold(self, seq_id: Hashable, num_pages: int) -> None:
+        """Keep the sequence's first ``num_pages`` pages (its oldest, full compressed pages) on the host.
+
+        Steps of the sequence stage them into the device ring before each
+        layer's attention reads them, so results do not change. Raises
+        OutOfPages if the host tier lacks room.
+        """
+        tier = self._tier("make_cold")
+        self._reap()
+        plan = self.block_manager.make_cold(seq_id, num_pages, hold=tier.cuda)
+        self._run(plan)
+        self._invalidate([seq_id], "given cold pages")
+
+    def _tier(self, what: str):
+        if self.host_tier is None:
+            raise KvgenRuntimeError(f"{what} needs a host tier; load(..., host_tokens=N) to give the cache one")
+        return self.host_tier
+
+    def _run(self, plan: TransferPlan):
+        """Execute a transfer plan; on CUDA remember the device pages it holds until its event."""
+        if self.host_tier is None or not plan:
+            return None
+        ev = self.host_tier.run(plan)
+        if plan.ticket is not None:
+            if ev is None:
+                self.block_manager.release_held(plan.ticket)
+            else:
+                self._held.append((ev, plan.ticket))
+        return ev
+
+    def _reap(self, wait: bool = False) -> None:
+        """Hand out again the device pages whose copies to the host have finished (all of them: ``wait``)."""
+        keep = []
+        for ev, ticket in self._held:
+            if wait or ev.query():
+                if wait:
+                    ev.synchronize()
+                self.block_manager.release_held(ticket)
+            else:
+                keep.append((ev, ticket))
+        self._held = keep
+
+    def _retry(self, call):
+        """``call()``; on OutOfPages while pages are held by copies in flight, wait for them and retry once."""
+        try:
+            return call()
+        except OutOfPages:
+            if not self._held:
+                raise
+        self._reap(wait=True)
+        return call()
+
+    def _invalidate(self, seq_ids: Sequence[Hashable], why: str) -> None:
+        step = self.step
+        if step is not None and step.stale is None:
+            hit = [s for s in seq_ids if s in step.seq_ids]
+            if hit:
+                step.stale = f"sequence {hit[0]!r} was {why} after this step was planned"
+
+    def _await(self, seq_id: Hashable) -> None:
+        ev = self._arrivals.pop(seq_id, None)
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
 
     # -- sizes ------------------------------------------------------------
     @property
@@ -247,7 +427,13 @@ class KVCache:
         their ids, so they can be cached in turn). To get logits for the last
         prompt token, pass ``prompt[:-1]`` here.
         """
-        return self.block_manager.add_sequence(seq_id, token_ids)
+        if self.host_tier is None:
+            return self.block_manager.add_sequence(seq_id, token_ids)
+        hit, plan = self.block_manager.add_sequence_plan(seq_id, token_ids)
+        ev = self._run(plan)
+        if ev is not None:
+            self._arrivals[seq_id] = ev
+        return hit
 
     def fork(self, parent: Hashable, child: Hashable) -> None:
         """``child`` shares every page of ``parent``; the first write into a shared page copies it."""
@@ -260,9 +446,9 @@ class KVCache:
         (plan a new one): its pages may be handed out again.
         """
         self.block_manager.free(seq_id)
-        step = self.step
-        if step is not None and step.stale is None and seq_id in step.seq_ids:
-            step.stale = f"sequence {seq_id!r} was freed after this step was planned"
+        if self._arrivals:
+            self._await(seq_id)  # its device pages are handed out again: copies into them come first
+        self._invalidate([seq_id], "freed")
 
     def seq_len(self, seq_id: Hashable) -> int:
         return self.block_manager.seq_len(seq_id)
@@ -291,12 +477,51 @@ class KVCache:
                 f"plan_step token counts must be ints, got {num_new_tokens_per_seq!r}") from None
         if not seq_ids:
             raise KvgenRuntimeError("plan_step needs at least one sequence id")
-        reservation = self.block_manager.reserve_step(seq_ids, num_new, token_ids)
+        bm = self.block_manager
+        if self.host_tier is None:
+            reservation = bm.reserve_step(seq_ids, num_new, token_ids)
+        else:
+            reservation = self._reserve_tiered(seq_ids, num_new, token_ids)
         self._steps += 1
-        step = build_step(self._steps, self.block_manager, self._buffers, seq_ids, num_new, reservation)
+        step = build_step(self._steps, bm, self._buffers, seq_ids, num_new, reservation,
+                          self.page_pool if self.host_tier is not None else None)
         step.configs = self._configs(step)
         self.step = step
+        if step.cold is not None and self.host_tier.cuda:
+            self.host_tier.stage(0, step.cold)  # overlaps whatever runs before layer 0's attention
         return step
+
+    def _reserve_tiered(self, seq_ids: tuple, num_new: tuple, token_ids):
+        """reserve_step with a host tier: ring room checked first, evicted prefix pages spilled, copies awaited."""
+        bm = self.block_manager
+        self._reap()
+        for sid in seq_ids:
+            bm._live(sid)  # a swapped-out sequence: SwappedOut before anything else
+        cold = cold_pages(bm, seq_ids)
+        if cold > self.page_pool.staging_pages:
+            raise OutOfPages(
+                f"this step's sequences hold {cold} cold page(s) and the staging ring holds "
+                f"{self.page_pool.staging_pages}; step fewer of them at once, swap_in some, or load with "
+                f"more staging_tokens")
+        reservation = self._retry(lambda: bm.reserve_step(seq_ids, num_new, token_ids))
+        if reservation.spills:  # evicted pages the step rewrites: copied to the host first
+            ev = self._run(TransferPlan(to_host=reservation.spills))
+            if ev is not None:
+                torch.cuda.current_stream(self.device).wait_event(ev)
+        if self._arrivals:
+            for sid in seq_ids:
+                self._await(sid)
+        return reservation
+
+    def _attention(self, step: StepMetadata, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The pools and block table a kernel reads for ``layer``: with cold pages, staged first."""
+        cold = step.cold
+        if cold is None:
+            return self.pools[layer], step.block_tables
+        self.host_tier.ensure(layer, cold)
+        if layer + 1 < self.num_layers and cold.slot_layer[(layer + 1) % 2] != layer + 1:
+            self.host_tier.stage(layer + 1, cold)  # one layer ahead, overlapping this layer's attention
+        return self.page_pool.attention_view(layer), cold.tables[layer]
 
     def _configs(self, step: StepMetadata) -> dict[str, Any]:
         # Host-only lookups (a remembered winner or the model's config; timing only with
@@ -468,7 +693,8 @@ class KVCache:
         if k is not None or v is not None:
             self.append_kv(layer, None, k, v)
         self._check_written(step, layer)
-        self.kernels["decode"].launch(q, out, pools, step.block_tables, step.seq_lens, step.num_compressed,
+        pools, tables = self._attention(step, layer)
+        self.kernels["decode"].launch(q, out, pools, tables, step.seq_lens, step.num_compressed,
                                       self.sm_scale if sm_scale is None else sm_scale,
                                       config=step.configs.get("decode"))
         return out
@@ -502,19 +728,37 @@ class KVCache:
         self._check_written(step, layer)
         if "prefill" not in step.configs:  # a decode step run through prefill
             step.configs["prefill"] = self._config("prefill", (step.batch, max(1, step.max_q_len), step.max_seq_len))
-        self.kernels["prefill"].launch(q, out, pools, step.block_tables, step.seq_lens, step.num_compressed,
+        pools, tables = self._attention(step, layer)
+        self.kernels["prefill"].launch(q, out, pools, tables, step.seq_lens, step.num_compressed,
                                        step.cu_seqlens_q, max(1, step.max_q_len),
                                        self.sm_scale if sm_scale is None else sm_scale,
                                        config=step.configs.get("prefill"), k_new=k, v_new=v)
         return out
 
     # -- inspection (host syncs; for tests and debugging) ---------------------------
+    def _gather_pages(self, layer: int, seq_id: Hashable, table: list[int], nc: int) -> dict[str, torch.Tensor]:
+        """A pool holding the sequence's pages of ``layer`` in logical order (compressed, then residual)."""
+        host = self.host_tier.pool.tensors
+        on_host = self.block_manager.host_pages(seq_id)
+        out: dict[str, torch.Tensor] = {}
+        for pool, pages in ((COMPRESSED, range(nc)), (RESIDUAL, range(nc, len(table)))):
+            if not pages:
+                continue
+            for name, dev in self.page_pool.named(layer, pool).items():
+                rows = [(host[pool][name][layer][table[i]] if i < on_host else dev[table[i]]).to(self.device)
+                        for i in pages]
+                out[name] = torch.stack(rows)
+        return out
+
     def read_kv(self, layer: int, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached K and V of one sequence as float32 ``[H, seq_len, D]`` (dequantized)."""
         pools = self._layer(layer)
         bm = self.block_manager
         n, table, nc = bm.seq_len(seq_id), bm.block_table(seq_id), bm.num_compressed(seq_id)
         P, H, D = self.page_size, self.num_kv_heads, self.head_dim
+        if bm.host_pages(seq_id):  # pages on the host: read every page into a private pool, in order
+            pools = self._gather_pages(layer, seq_id, table, nc)
+            table = list(range(nc)) + list(range(len(table) - nc))
         ks, vs = [], []
         if nc:
             if "dequant" not in self.kernels:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .block_manager import BlockManager, StepPlan
+from .host_tier import ColdStage, runs
 
 
 @dataclass
@@ -78,6 +79,9 @@ class StepMetadata:
     written: set = field(default_factory=set)
     stale: str | None = None
     """Why the step may no longer run (a sequence of it was freed after planning), else None."""
+    cold: ColdStage | None = None
+    """The step's cold pages (host tier) and per-layer block tables reaching the staging ring; None when
+    no sequence of the step has cold pages (then nothing about the host tier costs anything)."""
 
 
 class DeviceBuffers:
@@ -112,9 +116,19 @@ class DeviceBuffers:
         return out
 
 
+def cold_pages(bm: BlockManager, seq_ids: Sequence[Hashable]) -> int:
+    """Cold pages (host tier) the sequences of a step hold in all: what the staging ring must fit."""
+    return sum(bm.host_pages(s) for s in seq_ids)
+
+
 def build_step(index: int, bm: BlockManager, buffers: DeviceBuffers, seq_ids: Sequence[Hashable],
-               num_new: Sequence[int], reservation: StepPlan) -> StepMetadata:
-    """Pack the step's tables and lists into two uploads and slice the device views."""
+               num_new: Sequence[int], reservation: StepPlan, page_pool: Any = None) -> StepMetadata:
+    """Pack the step's tables and lists into two uploads and slice the device views.
+
+    With a ``page_pool`` that has a staging ring and sequences with cold
+    pages, also one block table per layer whose cold entries point into the
+    ring (``step.cold``; see :class:`~.cache.PagePool`).
+    """
     B = len(seq_ids)
     tables = [bm.block_table(s) for s in seq_ids]
     lens = [bm.seq_len(s) for s in seq_ids]
@@ -135,6 +149,21 @@ def build_step(index: int, bm: BlockManager, buffers: DeviceBuffers, seq_ids: Se
         offsets[name] = (len(flat), len(values))
         flat.extend(values)
 
+    cold = None
+    if page_pool is not None and page_pool.staging_pages and cold_pages(bm, seq_ids):
+        pairs, where, r = [], [], 0  # (host page, ring position); (row, column) of each cold entry
+        for b, s in enumerate(seq_ids):
+            for i in range(bm.host_pages(s)):
+                pairs.append((tables[b][i], r))
+                where.append(b * max_pages + i)
+                r += 1
+        pairs_sorted = sorted(pairs)
+        cold = ColdStage(runs(pairs_sorted), page_pool.staging_pages)
+        for layer in range(len(page_pool.layers)):
+            t = flat[:B * max_pages]
+            for (_, pos), at in zip(pairs, where):
+                t[at] = page_pool.ring_page(layer, pos)
+            put(f"layer_tables/{layer}", t)
     put("seq_lens", lens)
     put("num_compressed", ncomp)
     put("cu_seqlens_q", cu)
@@ -151,6 +180,9 @@ def build_step(index: int, bm: BlockManager, buffers: DeviceBuffers, seq_ids: Se
         start, n = offsets[name]
         return dev32[start:start + n]
 
+    if cold is not None:
+        start = offsets["layer_tables/0"][0]
+        cold.tables = dev32[start:start + len(page_pool.layers) * B * max_pages].view(-1, B, max_pages)
     phases = []
     for i, ph in enumerate(reservation.phases):
         copies = [(pool, view(f"{i}/copy_src/{pool}"), view(f"{i}/copy_dst/{pool}"))
@@ -164,4 +196,4 @@ def build_step(index: int, bm: BlockManager, buffers: DeviceBuffers, seq_ids: Se
         block_tables=view("block_tables").view(B, max_pages), seq_lens=view("seq_lens"),
         num_compressed=view("num_compressed"), cu_seqlens_q=view("cu_seqlens_q"), slot_mapping=dev64,
         phases=phases, num_copies=sum(len(ph.copies) for ph in reservation.phases),
-        num_conversions=sum(len(ph.conversions) for ph in reservation.phases))
+        num_conversions=sum(len(ph.conversions) for ph in reservation.phases), cold=cold)

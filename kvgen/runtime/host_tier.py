@@ -1,0 +1,165 @@
+"""The host tier's tensors and copies: a second page pool in host memory, and the device staging ring.
+
+:class:`HostPool` holds pages in the device pools' own format (the plan's
+page tensors, so int4 pages travel as int4; ``rk``/``rv`` for a residual
+scheme's tail pages), layer-major::
+
+    host[name]   [num_layers, num_host_pages, H, *shape]    pinned on CUDA, ordinary memory on the CPU
+
+so that the pages of one layer with consecutive host ids are one contiguous
+range: a transfer moves a layer's pages in a few large copies (one per run of
+consecutive host ids; a fresh pool hands out ids in order, so a swapped-out
+sequence is usually one run).
+
+:class:`HostTier` executes the block manager's :class:`~.tiering.TransferPlan`
+(device pages are gathered/scattered on the device, so only the host side
+needs runs) and stages cold pages: ``stage(layer, cold)`` copies a step's
+cold pages of one layer into slot ``layer % 2`` of the staging ring, which
+the compressed pool allocates right after the last layer's pages (see
+:class:`~.cache.PagePool`). On CUDA every copy runs on one side stream,
+ordered after the work already queued on the compute stream, and returns an
+event; the compute stream waits on that event only where it reads (or
+rewrites) the pages -- so swaps and the next layer's staging overlap decode.
+One stream for all host traffic keeps host-page reuse ordered (a host page
+freed by a swap-in and reused by a later swap-out is read before it is
+rewritten). On the CPU every copy is synchronous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .tiering import TransferPlan
+
+
+def runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(host, other)`` pairs sorted by host id -> ``(host start, other start, n)`` where both ascend by 1."""
+    out: list[list[int]] = []
+    for h, o in pairs:
+        if out and out[-1][0] + out[-1][2] == h and out[-1][1] + out[-1][2] == o:
+            out[-1][2] += 1
+        else:
+            out.append([h, o, 1])
+    return [tuple(r) for r in out]
+
+
+class HostPool:
+    """Host copies of the page format: ``tensors[pool][name]`` is ``[num_layers, pages, H, *shape]``."""
+
+    def __init__(self, device_layer: Mapping[str, torch.Tensor], compressed_names: Sequence[str],
+                 num_layers: int, num_pages: int, num_residual_pages: int, pin: bool) -> None:
+        self.tensors: dict[str, dict[str, torch.Tensor]] = {"compressed": {}, "residual": {}}
+        for pool, names, n in (("compressed", compressed_names, num_pages),
+                               ("residual", [x for x in ("rk", "rv") if x in device_layer], num_residual_pages)):
+            for name in names:
+                t = device_layer[name]
+                self.tensors[pool][name] = torch.zeros((num_layers, n, *t.shape[1:]), dtype=t.dtype,
+                                                       pin_memory=pin)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for p in self.tensors.values() for t in p.values())
+
+
+@dataclass
+class ColdStage:
+    """A step's cold pages: ``runs`` (host start, ring position, n) and per-layer block tables.
+
+    ``tables[layer]`` is the step's block table with every cold entry
+    pointing into the staging ring as seen from that layer's attention view.
+    ``slot_layer[s]`` is the layer whose pages ring slot ``s`` holds (or will
+    hold once ``events[layer]`` fires).
+    """
+
+    runs: list[tuple[int, int, int]]
+    num_pages: int
+    tables: torch.Tensor | None = None
+    slot_layer: list = field(default_factory=lambda: [None, None])
+    events: dict = field(default_factory=dict)
+
+
+class HostTier:
+    """Runs transfers between a :class:`~.cache.PagePool` and its :class:`HostPool`."""
+
+    def __init__(self, page_pool, num_host_pages: int, num_host_residual_pages: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.page_pool = page_pool
+        self.pool = HostPool(page_pool.layers[0], page_pool.compressed_names, len(page_pool.layers),
+                             num_host_pages, num_host_residual_pages, pin=self.cuda)
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def run(self, plan: TransferPlan):
+        """Run ``plan.to_host`` then ``plan.to_device`` for every layer; an event (CUDA) or None."""
+        if not plan.to_host and not plan.to_device:
+            return None
+        if not self.cuda:
+            self._to_host(plan.to_host)
+            self._to_device(plan.to_device)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self._to_host(plan.to_host)
+            self._to_device(plan.to_device)
+            return self.stream.record_event()
+
+    def stage(self, layer: int, cold: ColdStage):
+        """Copy the step's cold pages of ``layer`` into ring slot ``layer % 2``; an event (CUDA) or None."""
+        slot = layer % 2
+        cold.slot_layer[slot] = layer
+        if not self.cuda:
+            self._stage(layer, cold, slot)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the slot's last reader is queued
+        with torch.cuda.stream(self.stream):
+            self._stage(layer, cold, slot)
+            ev = self.stream.record_event()
+        cold.events[layer] = ev
+        return ev
+
+    def ensure(self, layer: int, cold: ColdStage) -> None:
+        """Make ``layer``'s cold pages readable by the compute stream (staging them if needed)."""
+        if cold.slot_layer[layer % 2] != layer:
+            self.stage(layer, cold)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(cold.events[layer])
+
+    # -- copies -------------------------------------------------------------
+    def _stage(self, layer: int, cold: ColdStage, slot: int) -> None:
+        base = slot * cold.num_pages
+        for name, ring in self.page_pool.ring.items():
+            src = self.pool.tensors["compressed"][name][layer]
+            for h, r, n in cold.runs:
+                ring[base + r:base + r + n].copy_(src[h:h + n], non_blocking=self.cuda)
+
+    def _groups(self, items: Sequence[tuple[str, int, int]], host_index: int):
+        """Per pool: (device ids tensor, runs) with the host ids ascending."""
+        by_pool: dict[str, list[tuple[int, int]]] = {}
+        for item in items:
+            dev, host = (item[1], item[2]) if host_index == 2 else (item[2], item[1])
+            by_pool.setdefault(item[0], []).append((host, dev))
+        for pool, pairs in by_pool.items():
+            pairs.sort()
+            idx = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+            yield pool, idx, runs([(h, j) for j, (h, _) in enumerate(pairs)])
+
+    def _to_host(self, items: Sequence[tuple[str, int, int]]) -> None:
+        for pool, idx, rs in self._groups(items, 2):
+            for layer in range(len(self.page_pool.layers)):
+                for name, dev_t in self.page_pool.named(layer, pool).items():
+                    tmp = dev_t.index_select(0, idx)
+                    dst = self.pool.tensors[pool][name][layer]
+                    for h, j, n in rs:
+                        dst[h:h + n].copy_(tmp[j:j + n], non_blocking=self.cuda)
+
+    def _to_device(self, items: Sequence[tuple[str, int, int]]) -> None:
+        for pool, idx, rs in self._groups(items, 1):
+            for layer in range(len(self.page_pool.layers)):
+                for name, dev_t in self.page_pool.named(layer, pool).items():
+                    src = self.pool.tensors[pool][name][layer]
+                    tmp = torch.empty((idx.numel(), *dev_t.shape[1:]), dtype=dev_t.dtype, device=self.device)
+                    for h, j, n in rs:
+                        tmp[j:j + n].copy_(src[h:h + n], non_blocking=self.cuda)
+                    dev_t.index_copy_(0, idx, tmp)

@@ -1,0 +1,226 @@
+"""The host tier of the runtime (KVCache with interpreted kernels; an ordinary CPU pool stands in for host memory).
+
+- decode (and a pages-only prefill) with cold pages -- the oldest pages on
+  the host, staged into the device ring before each layer's attention --
+  gives exactly the outputs of an all-device cache for every built-in scheme
+  (bf16 skipped on the CPU), two layers so both ring slots are used;
+- swap_out / swap_in round trips page tensors bit-exactly (raw bytes, forks
+  sharing pages included), and the pages return to their pools;
+- a prefix-cache page evicted from the device spills to the host and a later
+  prefix hit restores it with the original KV;
+- host tier sizing and misuse errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgen.registry import default_registry
+from kvgen.runtime import COMPRESSED, RESIDUAL, KvgenRuntimeError, OutOfPages, load
+from kvgen.runtime.errors import SwappedOut
+from kvgen.runtime.pools import poison_
+from kvgen.runtime.tiering import HOST_COMPRESSED
+
+from kernels import harness as hz
+from test_runtime_state_machine import D, H, HQ, case
+
+# (scheme, compute dtype, page size): every built-in scheme; KIVI int2 with a one-page window so
+# short sequences have compressed (hence possibly cold) pages.
+SCHEMES = [("fp32", "float32", 8), ("fp16", "float16", 8), ("bf16", "float32", 8), ("int8", "float16", 8),
+           ("fp8", "float32", 8), ("int4", "float32", 8), ("int2:residual=16", "float32", 16),
+           ("nuq4", "float32", 8)]
+SCHEMES = [s for s in SCHEMES if s[0].split(":")[0] in default_registry().schemes]
+LAYERS = 2
+
+
+def make(kv: str, dtype: str, page: int, host_tokens: int | None = None, max_tokens: int | None = None, **kw):
+    reason = hz.skip_reason(default_registry().scheme(kv))
+    if reason or (kv == "bf16" and hz.on_cpu()):
+        pytest.skip(reason or "bf16 is unreliable in the Triton interpreter")
+    c = case(kv, dtype, page, LAYERS)
+    cache = load(c.plan, c.kernels, device=hz.device(), max_tokens=max_tokens or 24 * page, num_layers=LAYERS,
+                 autotune=False, max_seqs=4, zero=True, host_tokens=host_tokens, **kw)
+    return cache, c
+
+
+def rand(gen, *shape, dtype):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def prefill(caches, seqs: dict, gen, dtype):
+    """Add the sequences to every cache and prefill them with the same random K/V (one step)."""
+    ids = list(seqs)
+    counts = [len(t) for t in seqs.values()]
+    for cache in caches:
+        for sid in ids:
+            assert cache.add(sid) == 0
+        cache.plan_step(ids, counts, token_ids=list(seqs.values()))
+    n = sum(counts)
+    for layer in range(LAYERS):
+        q, k, v = rand(gen, n, HQ, D, dtype=dtype), rand(gen, n, H, D, dtype=dtype), rand(gen, n, H, D, dtype=dtype)
+        for cache in caches:
+            cache.prefill(layer, q, k, v, ids)
+
+
+def raw_pages(cache, sid) -> list[dict[str, torch.Tensor]]:
+    """Every page of the sequence in every layer, as raw bytes, read from whichever tier holds it."""
+    bm = cache.block_manager
+    table, nc, on_host = bm.block_table(sid), bm.num_compressed(sid), bm.host_pages(sid)
+    out = []
+    for layer in range(LAYERS):
+        for i, page in enumerate(table):
+            pool = COMPRESSED if i < nc else RESIDUAL
+            if i < on_host:
+                src = {n: t[layer] for n, t in cache.host_tier.pool.tensors[pool].items()}
+            else:
+                src = cache.page_pool.named(layer, pool)
+            out.append({n: t[page].contiguous().view(torch.uint8).clone() for n, t in src.items()})
+    return out
+
+
+def same_raw(a, b) -> bool:
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[n], y[n]) for n in x)
+                                    for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kv, dtype, page", SCHEMES, ids=[s[0] for s in SCHEMES])
+def test_cold_pages_decode_equals_all_device_decode(kv, dtype, page):
+    ref, c = make(kv, dtype, page)
+    tier, _ = make(kv, dtype, page, host_tokens=16 * page)
+    dt = c.dtype
+    gen = torch.Generator().manual_seed(1)
+    seqs = {"a": list(range(5 * page + 3)), "b": list(range(100, 100 + 3 * page + 1)), "c": [7] * (page + 2)}
+    prefill([ref, tier], seqs, gen, dt)
+    bm = tier.block_manager
+    for sid, want in (("a", 99), ("b", 1)):
+        n = min(want, bm.num_compressed(sid), bm.seq_len(sid) // page)
+        assert n >= 1, (sid, bm.num_compressed(sid))
+        tier.make_cold(sid, n)
+        assert bm.host_pages(sid) == n
+    free_before = bm.num_free_pages(COMPRESSED)
+    assert free_before > ref.block_manager.num_free_pages(COMPRESSED)  # cold pages left the device
+    free = torch.tensor(list(bm._pools[COMPRESSED].free))
+    for layer in range(LAYERS):  # free device pages (the cold pages' old homes) must never be read
+        for t in tier.page_pool.named(layer, COMPRESSED).values():
+            t[free] = poison_(t[free].clone())
+    for layer in range(LAYERS):
+        for sid in seqs:
+            assert all(torch.equal(x, y) for x, y in zip(tier.read_kv(layer, sid), ref.read_kv(layer, sid)))
+    ids = ["b", "c", "a"]
+    for step in range(3):
+        counts = [2, 1, 2] if step == 1 else [1, 1, 1]
+        steps = [cache.plan_step(ids, counts) for cache in (ref, tier)]
+        assert steps[0].cold is None and steps[1].cold is not None
+        n = sum(counts)
+        for layer in range(LAYERS):
+            q, k, v = rand(gen, n, HQ, D, dtype=dt), rand(gen, n, H, D, dtype=dt), rand(gen, n, H, D, dtype=dt)
+            outs = []
+            for cache in (ref, tier):
+                if step == 1:  # every key from the pages, the cold ones through the ring
+                    cache.append_kv(layer, ids, k, v)
+                    outs.append(cache.prefill(layer, q, None, None, ids))
+                else:
+                    outs.append(cache.decode(layer, q, ids, k, v))
+            assert torch.isfinite(outs[0]).all()
+            assert torch.equal(outs[0], outs[1]), (kv, step, layer, (outs[0] - outs[1]).abs().max())
+    tier.swap_in(["a", "b"])  # cold pages back to the device: the same KV
+    assert bm.host_pages("a") == bm.host_pages("b") == 0 and bm.num_free_pages(HOST_COMPRESSED) == 16
+    for layer in range(LAYERS):
+        for sid in seqs:
+            assert all(torch.equal(x, y) for x, y in zip(tier.read_kv(layer, sid), ref.read_kv(layer, sid)))
+
+
+ROUND_TRIP = [s for s in SCHEMES if s[0] in ("fp16", "int8", "int4", "int2:residual=16", "fp8")]
+
+
+@pytest.mark.parametrize("kv, dtype, page", ROUND_TRIP, ids=[s[0] for s in ROUND_TRIP])
+def test_swap_round_trip_is_bit_exact(kv, dtype, page):
+    cache, c = make(kv, dtype, page, host_tokens=24 * page)
+    bm = cache.block_manager
+    gen = torch.Generator().manual_seed(2)
+    prefill([cache], {"a": list(range(3 * page + 5)), "c": list(range(50, 50 + 2 * page))}, gen, c.dtype)
+    cache.fork("a", "b")  # shares every page of a
+    pages = {sid: raw_pages(cache, sid) for sid in ("a", "b", "c")}
+    kv_before = {sid: cache.read_kv(1, sid) for sid in ("a", "b", "c")}
+    free = [bm.num_free_pages(p) for p in (COMPRESSED, RESIDUAL)]
+    cache.swap_out(["a", "b"])
+    shared = len(bm.block_table("a"))
+    assert bm.num_free_pages(HOST_COMPRESSED) + bm.num_free_pages("host_residual") == \
+        bm._pools[HOST_COMPRESSED].size + bm._pools["host_residual"].size - shared  # shared pages copied once
+    cache.swap_out(["c"])
+    assert all(bm.is_swapped(s) for s in "abc")
+    with pytest.raises(SwappedOut, match="swap_in"):
+        cache.plan_step(["a"], [1])
+    for sid in "abc":
+        assert same_raw(raw_pages(cache, sid), pages[sid]), f"{sid} on the host differs"
+        assert all(torch.equal(x, y) for x, y in zip(cache.read_kv(1, sid), kv_before[sid]))
+    cache.swap_in(["c"])
+    cache.swap_in(["a", "b"])
+    assert bm.block_table("a") == bm.block_table("b")  # swapped together: shared again
+    assert [bm.num_free_pages(p) for p in (COMPRESSED, RESIDUAL)] == free
+    assert bm.num_free_pages(HOST_COMPRESSED) == bm._pools[HOST_COMPRESSED].size
+    for sid in "abc":
+        assert same_raw(raw_pages(cache, sid), pages[sid]), f"{sid} after the round trip differs"
+    # and the sequences step again, the fork copying its shared tail first
+    cache.plan_step(["a", "b"], [1, 1])
+    for layer in range(LAYERS):
+        out = cache.decode(layer, rand(gen, 2, HQ, D, dtype=c.dtype), ["a", "b"],
+                           rand(gen, 2, H, D, dtype=c.dtype), rand(gen, 2, H, D, dtype=c.dtype))
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kv, dtype, page", [s for s in SCHEMES if s[0] in ("fp32", "int4")])
+def test_prefix_spill_and_restore_give_the_original_kv(kv, dtype, page):
+    cache, c = make(kv, dtype, page, host_tokens=8 * page, max_tokens=8 * page)
+    bm = cache.block_manager
+    gen = torch.Generator().manual_seed(3)
+    prompt = list(range(3 * page + 1))
+    prefill([cache], {"a": prompt}, gen, c.dtype)
+    original = [cache.read_kv(layer, "a") for layer in range(LAYERS)]
+    cache.free("a")  # its full pages stay in the prefix cache
+    assert bm.num_free_pages(COMPRESSED) == cache.num_pages
+    other = [1000 + i for i in range(cache.num_pages * page)]
+    prefill([cache], {"x": other}, gen, c.dtype)  # needs the cached pages: evicted, spilled to the host
+    assert len(bm._caches[HOST_COMPRESSED].hash_page) >= 3
+    cache.free("x")
+    hit = cache.add("b", prompt)
+    assert hit == 3 * page
+    for layer in range(LAYERS):
+        k, v = cache.read_kv(layer, "b")
+        assert torch.equal(k, original[layer][0][:, :hit]) and torch.equal(v, original[layer][1][:, :hit])
+    # a cache without a host tier loses the prefix
+    plain, _ = make(kv, dtype, page, max_tokens=8 * page)
+    prefill([plain], {"a": prompt}, gen, c.dtype)
+    plain.free("a")
+    prefill([plain], {"x": other}, gen, c.dtype)
+    plain.free("x")
+    assert plain.add("b", prompt) == 0
+
+
+def test_host_tier_sizes_and_misuse():
+    kv, dtype, page = SCHEMES[0]
+    cache, c = make(kv, dtype, page)
+    assert cache.host_tier is None and cache.page_pool.staging_pages == 0
+    cache.add("a")
+    with pytest.raises(KvgenRuntimeError, match="host_tokens"):
+        cache.swap_out(["a"])
+    with pytest.raises(KvgenRuntimeError, match="host tier"):
+        make(kv, dtype, page, host_tokens="plan")  # the tiny plan needs no host tier
+    with pytest.raises(KvgenRuntimeError, match="host_tokens must be"):
+        make(kv, dtype, page, host_tokens=-1)
+    with pytest.raises(KvgenRuntimeError, match="staging_tokens needs a host tier"):
+        make(kv, dtype, page, staging_tokens=8)
+    cache, _ = make(kv, dtype, page, host_tokens=10 * page + 1, staging_tokens=page)
+    assert cache.block_manager._pools[HOST_COMPRESSED].size == 11 and cache.page_pool.staging_pages == 1
+    host = cache.host_tier.pool.tensors[COMPRESSED]
+    assert [list(t.shape[:2]) for t in host.values()] == [[LAYERS, 11]] * len(host)
+    # a step whose cold pages exceed the ring is refused with nothing changed
+    gen = torch.Generator().manual_seed(4)
+    prefill([cache], {"a": list(range(2 * page)), "b": list(range(2 * page))}, gen, c.dtype)
+    cache.make_cold("a", 1)
+    cache.make_cold("b", 1)
+    with pytest.raises(OutOfPages, match="staging ring"):
+        cache.plan_step(["a", "b"], [1, 1])
+    assert cache.block_manager.seq_len("a") == 2 * page
+    cache.plan_step(["a"], [1])
