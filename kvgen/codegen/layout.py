@@ -74,11 +74,11 @@ def _tensor_layouts(tensors: tuple[PageTensor, ...], compute_dtype: str, prefix:
         # Tensor names become kernel argument names in the source: they must be identifiers.
         if not (isinstance(t.name, str) and t.name.isidentifier()) or t.name.startswith("__"):
             raise PluginError(f"page tensor name {t.name!r} is not a plain Python identifier; name it like 'k_scale'")
-        if (compute_dtype if t.dtype == COMPUTE else t.dtype) not in TL_DTYPES:
+        dtype = compute_dtype if t.dtype == COMPUTE else t.dtype
+        if dtype not in TL_DTYPES:
             raise PluginError(f"page tensor {t.name} has dtype {t.dtype!r}; use one of {', '.join(TL_DTYPES)}")
         # page_tensors(head_dim, page_size) gives concrete shapes; the stride is their product, a constant.
         stride = math.prod(int(s) for s in t.shape)
-        dtype = compute_dtype if t.dtype == COMPUTE else t.dtype
         out[t.name] = TensorLayout(
             name=t.name, ptr=f"{prefix}{t.name}_ptr", stride=stride,
             dtype=dtype, tl_dtype=TL_DTYPES[dtype], shape=tuple(t.shape))

@@ -32,10 +32,10 @@ import hashlib
 import importlib.metadata
 import importlib.resources
 import importlib.util
-import sys
 import json
 import keyword
 import os
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -49,7 +49,7 @@ from kvgen.codegen.spec import KernelSpec
 from kvgen.errors import KvgenError, PlanError, UnknownSchemeError
 from kvgen.planner.plan import Plan
 from kvgen.registry import Registry, default_registry
-from kvgen.schemes import Scheme
+from kvgen.schemes import Scheme, unknown_scheme_error
 
 BACKEND_CHOICES = ("triton", "cuda", "auto")
 """``kvgen compile --backend``: every op in Triton; CUDA where a CUDA template serves the op (Triton for the
@@ -71,8 +71,6 @@ def plan_scheme(plan: Plan, registry: Registry | None = None) -> Scheme:
     """
     registry = registry or default_registry()
     if plan.scheme not in registry.schemes:
-        from kvgen.schemes import unknown_scheme_error  # (loaded already: kvgen.schemes is imported above)
-
         # It names the plugin that failed (or that KVGEN_PLUGINS left out) when the registry knows.
         error = unknown_scheme_error(plan.scheme, registry.schemes)
         raise UnknownSchemeError(f"plan {plan.name}: {error}")
