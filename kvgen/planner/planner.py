@@ -19,7 +19,7 @@ from kvgen.models import ModelSpec
 from kvgen.planner import memory as mm
 from kvgen.planner.plan import Plan, package_name
 from kvgen.planner.workload import Workload
-from kvgen.schemes import Scheme, resolve_scheme
+from kvgen.schemes import Scheme, dtype_bytes, resolve_scheme
 from kvgen.targets import Target
 
 PAGE_CANDIDATES = (8, 16, 32, 64, 128)
@@ -108,7 +108,7 @@ def capacity(model: ModelSpec, target: Target, workload: Workload, shard: Shard,
              scheme: Scheme, page: int) -> Capacity:
     """Pages and capacity one GPU gets for ``scheme`` at page size ``page``."""
     b_head = scheme.page_bytes_per_token(model.head_dim, page)
-    compute_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[workload.compute_dtype]
+    compute_bytes = dtype_bytes(workload.compute_dtype)
     values = {
         mm.layers: model.num_layers, mm.kv_heads: model.num_kv_heads, mm.kv_heads_gpu: shard.kv_heads_per_gpu,
         mm.bytes_per_head: b_head, mm.params: model.num_params, mm.weight_bits: workload.weight_bits,
