@@ -63,7 +63,7 @@ KV_BYTES_PER_TOKEN_PER_GPU = Formula("b_head*kv_heads_per_gpu*layers")
 """K+V bytes one token costs on one GPU (its KV heads only)."""
 
 WEIGHT_BYTES_PER_GPU = Formula("params*weight_bits/(8*tp)")
-KV_BUDGET = Formula("memory*util - params*weight_bits/(8*tp) - workspace")
+KV_BUDGET = Formula(f"memory*util - {WEIGHT_BYTES_PER_GPU} - workspace")
 """Bytes per GPU left for KV pages."""
 
 WORKSPACE_BYTES = 2 * 2**30
