@@ -168,9 +168,11 @@ def cmd_plan(args) -> int:
 
 
 def _add_compile_args(p: argparse.ArgumentParser) -> None:
+    from kvgen.codegen.spec import BACKEND_CHOICES  # light: no Jinja, no torch
+
     _add_plan_args(p)
     p.add_argument("--out", default=None, help="output folder (default generated/<plan-name>)")
-    p.add_argument("--backend", choices=("triton", "cuda", "auto"), default="triton",
+    p.add_argument("--backend", choices=BACKEND_CHOICES, default="triton",
                    help="kernel language: triton (default); cuda (CUDA C++ where a template exists, Triton "
                         "elsewhere; nvcc builds at compile or first load); auto (both are packaged)")
 

@@ -45,15 +45,11 @@ from kvgen.atomic import OutputError, remove_leftovers, replace_folder
 from kvgen.codegen.pysource import docstring
 from kvgen.codegen import cuda as cuda_backend
 from kvgen.codegen.render import render_sources, template_hash
-from kvgen.codegen.spec import KernelSpec
+from kvgen.codegen.spec import BACKEND_CHOICES, KernelSpec
 from kvgen.errors import KvgenError, PlanError, UnknownSchemeError
 from kvgen.planner.plan import Plan
 from kvgen.registry import Registry, default_registry
 from kvgen.schemes import Scheme, unknown_scheme_error
-
-BACKEND_CHOICES = ("triton", "cuda", "auto")
-"""``kvgen compile --backend``: every op in Triton; CUDA where a CUDA template serves the op (Triton for the
-rest); or both where both exist, for the runtime's tuner to pick per op (the Triton module stays the default)."""
 
 
 class BackendError(KvgenError):

@@ -15,6 +15,9 @@ OPS = ("decode", "prefill", "cache_write", "page_quantize", "dequant", "page_cop
 COMPUTE_DTYPES = ("float16", "bfloat16", "float32")
 BACKENDS = ("triton", "cuda")
 """Kernel languages: Triton (templates/triton) and CUDA C++ (templates/cuda)."""
+BACKEND_CHOICES = BACKENDS + ("auto",)
+"""``kvgen compile --backend``: every op in Triton; CUDA where a CUDA template serves the op (Triton for the
+rest); or both where both exist, for the runtime's tuner to pick per op (the Triton module stays the default)."""
 _SCHEME_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
