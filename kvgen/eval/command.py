@@ -228,12 +228,11 @@ def evaluate_files(model_path: str, gguf: str | None, text: str, kv: str | Seque
         windows = windows[window_range[0]:window_range[1]]
     run = EvalRun(model_name=gguf or folder.name, text_name=text_path.name, schemes=schemes, backend=backend,
                   page_size=page_size, window=window, device=device)
-    passes = 1 if backend == "reference" else 1 + len(schemes)
     total = progress_total(windows, backend, len(schemes))
     predictions = sum(w.predictions for w in windows)
     decode = sum(w.decode_predictions for w in windows)
     _err(f"kvgen eval: {run.model_name} on {run.text_name}: {len(windows)} windows, {predictions} predictions "
-         f"({decode} by one-token decode steps, {total // passes} forward passes); backend {backend}; "
+         f"({decode} by one-token decode steps, {sum(w.forward_passes for w in windows)} forward passes); backend {backend}; "
          f"schemes {', '.join(s.label for s in schemes)}")
     if not show_progress:
         rows = evaluate(model, windows, run)
