@@ -98,6 +98,7 @@ def test_cold_pages_decode_equals_all_device_decode(kv, dtype, page):
         assert n >= 1, (sid, bm.num_compressed(sid))
         tier.make_cold(sid, n)
         assert bm.host_pages(sid) == n
+    tier.wait_host_tier()
     free_before = bm.num_free_pages(COMPRESSED)
     assert free_before > ref.block_manager.num_free_pages(COMPRESSED)  # cold pages left the device
     free = torch.tensor(list(bm._pools[COMPRESSED].free))
@@ -125,6 +126,7 @@ def test_cold_pages_decode_equals_all_device_decode(kv, dtype, page):
             assert torch.isfinite(outs[0]).all()
             assert torch.equal(outs[0], outs[1]), (kv, step, layer, (outs[0] - outs[1]).abs().max())
     tier.swap_in(["a", "b"])  # cold pages back to the device: the same KV
+    tier.wait_host_tier()
     assert bm.host_pages("a") == bm.host_pages("b") == 0 and bm.num_free_pages(HOST_COMPRESSED) == 16
     for layer in range(LAYERS):
         for sid in seqs:
@@ -145,6 +147,7 @@ def test_swap_round_trip_is_bit_exact(kv, dtype, page):
     kv_before = {sid: cache.read_kv(1, sid) for sid in ("a", "b", "c")}
     free = [bm.num_free_pages(p) for p in (COMPRESSED, RESIDUAL)]
     cache.swap_out(["a", "b"])
+    cache.wait_host_tier()  # (CUDA: the freed pages are held until the copies ran)
     shared = len(bm.block_table("a"))
     assert bm.num_free_pages(HOST_COMPRESSED) + bm.num_free_pages("host_residual") == \
         bm._pools[HOST_COMPRESSED].size + bm._pools["host_residual"].size - shared  # shared pages copied once
@@ -157,6 +160,7 @@ def test_swap_round_trip_is_bit_exact(kv, dtype, page):
         assert all(torch.equal(x, y) for x, y in zip(cache.read_kv(1, sid), kv_before[sid]))
     cache.swap_in(["c"])
     cache.swap_in(["a", "b"])
+    cache.wait_host_tier()
     assert bm.block_table("a") == bm.block_table("b")  # swapped together: shared again
     assert [bm.num_free_pages(p) for p in (COMPRESSED, RESIDUAL)] == free
     assert bm.num_free_pages(HOST_COMPRESSED) == bm._pools[HOST_COMPRESSED].size
@@ -179,6 +183,7 @@ def test_prefix_spill_and_restore_give_the_original_kv(kv, dtype, page):
     prefill([cache], {"a": prompt}, gen, c.dtype)
     original = [cache.read_kv(layer, "a") for layer in range(LAYERS)]
     cache.free("a")  # its full pages stay in the prefix cache
+    cache.wait_host_tier()
     assert bm.num_free_pages(COMPRESSED) == cache.num_pages
     other = [1000 + i for i in range(cache.num_pages * page)]
     prefill([cache], {"x": other}, gen, c.dtype)  # needs the cached pages: evicted, spilled to the host

@@ -297,19 +297,20 @@ class RuntimeMachine(RuleBasedStateMachine):
             for i, page in enumerate(table):
                 pool = COMPRESSED if i < nc else RESIDUAL
                 refs[(HOST[pool] if i < on_host else pool, page)] += 1
-        held = bm.num_held_pages()
+        held = Counter(pool for pool, page in bm._held_set if bm.ref_count(pool, page) == 0)
         for pool in (COMPRESSED, RESIDUAL, HOST_COMPRESSED, HOST_RESIDUAL):  # every tier: nothing leaks across
             size = bm._pools[pool].size
             referenced = 0
             for page in range(size):
                 assert bm.ref_count(pool, page) == refs[(pool, page)], (pool, page)
                 referenced += refs[(pool, page)] > 0
-            assert referenced + bm.num_free_pages(pool) + (held if pool == COMPRESSED else 0) == size, \
+            assert referenced + bm.num_free_pages(pool) + held[pool] == size, \
                 f"{pool} pages leaked"
 
     def teardown(self) -> None:
         for sid in list(self.tokens):
             self.cache.free(sid)
+        self.cache.wait_host_tier()
         assert self.bm.num_free_pages(COMPRESSED) == self.cache.num_pages, "compressed pages leaked"
         assert self.bm.num_free_pages(RESIDUAL) == self.cache.num_residual_pages, "residual pages leaked"
         for pool in (HOST_COMPRESSED, HOST_RESIDUAL):

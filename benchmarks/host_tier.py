@@ -1,0 +1,253 @@
+"""Host tier benchmark (issue 17): pinned bandwidth, swap in/out, decode with cold pages, background swap-out.
+
+    python -m benchmarks.host_tier [--schemes bf16,int4] [--out FILE]     # the H200
+    python -m benchmarks.host_tier --smoke                                # the CPU (interpreted kernels, tiny)
+
+One process, a Llama-3-8B-shaped KV cache (32 layers, 8 KV heads, 32 query
+heads, head_dim 128) through the runtime's own ``load(..., host_tokens=)``,
+no model weights: attention steps run on random q/k/v, which is all the host
+tier's cost depends on. Records (JSON ``{gpu, torch, date, pinned_h2d,
+pinned_d2h, records: [...]}``, the decode benchmark's form), each with ``op``,
+``scheme``, ``host_fraction``, ``ms``, ``bytes`` and ``bw_fraction`` (bytes
+per second over the pinned host<->device bandwidth measured in this run, in
+the direction of the transfer):
+
+- ``pinned_h2d`` / ``pinned_d2h``: one 1 GiB copy between pinned host memory
+  and the device (best of 5).
+- ``swap_out`` / ``swap_in``: one ``--swap-tokens`` (100K) token sequence,
+  every layer (done-when: swap_in ``bw_fraction >= 0.8``).
+- ``decode_host``: one decode step (plan_step + every layer's append_kv and
+  decode) of ``--batch`` sequences of ``--context`` tokens with 0, 25, 50 and
+  75% of each sequence's pages cold; ``gpu_ms`` is the all-device step,
+  ``transfer_ms`` the cold bytes at the pinned bandwidth, ``bound_ms`` their
+  max and ``ratio`` = ``ms / bound_ms`` (done-when: <= 1.1).
+- ``decode_during_swap_out``: the all-device decode step while another
+  sequence swaps out in the background; ``slowdown`` = ms / gpu_ms - 1
+  (done-when: <= 0.03).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Bench:
+    def __init__(self, smoke: bool) -> None:
+        import torch
+
+        self.torch = torch
+        self.smoke = smoke
+        self.device = torch.device("cpu" if smoke else "cuda")
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+
+    def timed(self, fn, repeat: int = 1) -> float:
+        """Median ms of ``fn()`` over ``repeat`` runs, synchronized around each."""
+        times = []
+        for _ in range(repeat):
+            self.sync()
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def pinned(self, nbytes: int) -> dict[str, float]:
+        """Bytes per second host->device and device->host through pinned memory (best of 5)."""
+        torch = self.torch
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        out = {}
+        for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+            dst.copy_(src, non_blocking=True)
+            ms = min(self.timed(lambda: dst.copy_(src, non_blocking=True)) for _ in range(5))
+            out[name] = nbytes / (ms * 1e-3)
+        return out
+
+    def cache(self, kv: str, *, max_tokens: int, host_tokens: int, staging_tokens: int):
+        import dataclasses
+
+        from kvgen.codegen.loader import load_kernel
+        from kvgen.codegen.package import kernel_specs, plan_scheme
+        from kvgen.models import ModelSpec, resolve_model
+        from kvgen.planner.planner import make_plan
+        from kvgen.planner.workload import Workload
+        from kvgen.registry import default_registry
+        from kvgen.runtime import load
+        from kvgen.targets import resolve_target
+
+        reg = default_registry()
+        if self.smoke:
+            spec = ModelSpec(name="tiny", num_layers=2, hidden_size=16, num_q_heads=2, num_kv_heads=1, head_dim=8,
+                             intermediate_size=32, vocab_size=64, max_positions=4096, rope_theta=10000.0,
+                             sliding_window=None, tied_embeddings=True, num_params=10_000,
+                             architecture="LlamaForCausalLM")
+            target = dataclasses.replace(resolve_target("cpu"), memory_bytes=3 * 2**30)
+            work = Workload(context=1024, concurrency=2, compute_dtype="float32", page_size=8)
+        else:
+            spec = resolve_model("llama-3-8b")
+            target = resolve_target("h200")
+            work = Workload(context=max_tokens, concurrency=1, compute_dtype="bfloat16")
+        plan = make_plan(spec, target, work, reg.schemes, kv=kv)
+        scheme = plan_scheme(plan, reg)
+        kernels = {op: load_kernel(s, scheme, reg) for op, s in kernel_specs(plan, reg, scheme).items()}
+        return load(plan.to_json(), kernels, device=self.device, max_tokens=max_tokens, autotune=False,
+                    host_tokens=host_tokens, staging_tokens=staging_tokens)
+
+    def fill(self, cache, sid, tokens: int) -> None:
+        """A sequence of ``tokens`` tokens whose pages hold whatever they hold (bandwidth needs no values)."""
+        cache.add(sid)
+        cache.plan_step([sid], [tokens])
+        cache.step = None  # never run: only the pages were wanted
+
+    def decode_step(self, cache, ids, qkv) -> None:
+        q, k, v = qkv
+        cache.plan_step(ids, 1)
+        for layer in range(cache.num_layers):
+            cache.decode(layer, q, ids, k, v)
+
+    def qkv(self, cache, batch: int):
+        torch = self.torch
+        g = torch.Generator(device=self.device).manual_seed(0)
+        mk = lambda h: torch.randn(batch, h, cache.head_dim, generator=g, device=self.device).to(cache.dtype)  # noqa: E731
+        return mk(cache.num_q_heads), mk(cache.num_kv_heads), mk(cache.num_kv_heads)
+
+
+def page_bytes(cache, pool: str = "compressed") -> int:
+    """Bytes of one page over every layer."""
+    from kvgen.runtime.pools import page_bytes as one
+
+    return sum(one(cache.page_pool.named(layer, pool)) for layer in range(cache.num_layers))
+
+
+def run(args) -> dict:
+    b = Bench(args.smoke)
+    torch = b.torch
+    pinned = b.pinned(args.pinned_bytes)
+    log(f"pinned h2d {pinned['h2d'] / 1e9:.1f} GB/s, d2h {pinned['d2h'] / 1e9:.1f} GB/s")
+    records = [dict(op="pinned_h2d", scheme=None, host_fraction=None, ms=args.pinned_bytes / pinned["h2d"] * 1e3,
+                    bytes=args.pinned_bytes, bw_fraction=1.0),
+               dict(op="pinned_d2h", scheme=None, host_fraction=None, ms=args.pinned_bytes / pinned["d2h"] * 1e3,
+                    bytes=args.pinned_bytes, bw_fraction=1.0)]
+    for kv in args.schemes.split(","):
+        B, L, S = args.batch, args.context, args.swap_tokens
+        cold_max = int(0.75 * B * L) + B * 64
+        cache = b.cache(kv, max_tokens=B * L + S + B * 256, host_tokens=S + cold_max + 1024,
+                        staging_tokens=cold_max)
+        P = cache.page_size
+        log(f"{kv}: {cache}")
+        # -- swap a long sequence out and back in
+        b.fill(cache, "long", S)
+        pages = len(cache.block_manager.block_table("long"))
+        nbytes = pages * page_bytes(cache)  # (a residual scheme's tail pages are a rounding error)
+        for op, fn, bw in (("swap_out", lambda: (cache.swap_out(["long"]), cache.wait_host_tier()), pinned["d2h"]),
+                           ("swap_in", lambda: cache.swap_in(["long"]), pinned["h2d"])):
+            ms = b.timed(fn)
+            rec = dict(op=op, scheme=kv, host_fraction=1.0, tokens=S, ms=ms, bytes=nbytes,
+                       bw_fraction=nbytes / (ms * 1e-3) / bw)
+            log(json.dumps(rec))
+            records.append(rec)
+        # -- decode with a fraction of every sequence's pages on the host
+        ids = [f"s{i}" for i in range(B)]
+        for sid in ids:
+            b.fill(cache, sid, L)
+        qkv = b.qkv(cache, B)
+        gpu_ms = None
+        for frac in (0.0, 0.25, 0.5, 0.75):
+            cache.swap_in(ids)  # back to all-device, then the fraction cold
+            cold = 0
+            for sid in ids:
+                n = min(int(frac * L) // P, cache.block_manager.num_compressed(sid))
+                cache.make_cold(sid, n)
+                cold += n
+            cache.wait_host_tier()
+            b.decode_step(cache, ids, qkv)  # warm-up (first use of the shape)
+            ms = b.timed(lambda: b.decode_step(cache, ids, qkv), repeat=args.repeat)
+            gpu_ms = ms if frac == 0 else gpu_ms
+            moved = cold * page_bytes(cache)
+            transfer_ms = moved / pinned["h2d"] * 1e3
+            bound = max(gpu_ms, transfer_ms)
+            rec = dict(op="decode_host", scheme=kv, host_fraction=frac, B=B, context=L, ms=ms, bytes=moved,
+                       bw_fraction=moved / (ms * 1e-3) / pinned["h2d"], gpu_ms=gpu_ms, transfer_ms=transfer_ms,
+                       bound_ms=bound, ratio=ms / bound)
+            log(json.dumps(rec))
+            records.append(rec)
+        # -- decode while another sequence swaps out in the background
+        cache.swap_in(ids)
+        b.decode_step(cache, ids, qkv)
+        base = b.timed(lambda: b.decode_step(cache, ids, qkv), repeat=args.repeat)
+        b.fill(cache, "bg", S // 2)
+        b.sync()
+        t0 = time.perf_counter()
+        cache.swap_out(["bg"])  # returns at once on CUDA: the copies run on the side stream
+        steps = 0
+        while True:
+            b.decode_step(cache, ids, qkv)
+            steps += 1
+            b.sync()
+            if cache.host_tier.cuda is False or all(ev.query() for ev, _ in cache._held):
+                break
+        ms = (time.perf_counter() - t0) * 1e3 / steps
+        rec = dict(op="decode_during_swap_out", scheme=kv, host_fraction=None, B=B, context=L, ms=ms,
+                   bytes=len(cache.block_manager.block_table("bg")) * page_bytes(cache), bw_fraction=None,
+                   gpu_ms=base, steps=steps, slowdown=ms / base - 1)
+        log(json.dumps(rec))
+        records.append(rec)
+        cache.free("bg")
+        del cache
+        if b.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return dict(pinned_h2d=pinned["h2d"], pinned_d2h=pinned["d2h"], records=records)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreted kernels)")
+    ap.add_argument("--schemes", default=None, help="default bf16,int4 (smoke: fp32,int4)")
+    ap.add_argument("--batch", type=int, default=None, help="decode batch (default 8; smoke 2)")
+    ap.add_argument("--context", type=int, default=None, help="decode context (default 16384; smoke 64)")
+    ap.add_argument("--swap-tokens", type=int, default=None, help="swapped sequence (default 100000; smoke 256)")
+    ap.add_argument("--repeat", type=int, default=None, help="timed decode steps (default 10; smoke 1)")
+    ap.add_argument("--out", default=None, help="JSON file (default benchmarks/results/<date>-host-tier.json)")
+    args = ap.parse_args(argv)
+    s = args.smoke
+    args.schemes = args.schemes or ("fp32,int4" if s else "bf16,int4")
+    args.batch = args.batch or (2 if s else 8)
+    args.context = args.context or (64 if s else 16384)
+    args.swap_tokens = args.swap_tokens or (256 if s else 100_000)
+    args.repeat = args.repeat or (1 if s else 10)
+    args.pinned_bytes = 2**20 if s else 2**30
+    if s:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    import torch
+
+    if not s and not torch.cuda.is_available():
+        log("the host tier benchmark needs a CUDA GPU; use --smoke on the CPU")
+        return 2
+    result = run(args)
+    date = datetime.date.today().isoformat()
+    gpu = "cpu" if s else torch.cuda.get_device_name()
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"{date}-host-tier{'-smoke' if s else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__, date=date,
+                                   command="python -m benchmarks.host_tier " + " ".join(argv or sys.argv[1:]),
+                                   **result), indent=1) + "\n")
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
