@@ -1,27 +1,37 @@
-"""kvgen serve under load (GPU): requests/s, TTFT and TPOT at 1/16/64/256 clients, vs the engine offline.
+"""kvgen serve under load: requests/s, TTFT and TPOT at 1/16/64/256 clients, served vs the engine offline.
 
     python -m benchmarks.serve_load [--quick] [--kv bf16,int8,int4] [--out benchmarks/results/serve_load.json]
+    python -m benchmarks.serve_load --standin [--step-ms 10]   # CPU proxy of the HTTP overhead (no GPU)
     python -m benchmarks.serve_load --smoke        # CPU, tiny random model, interpreter: checks the script runs
 
-A Llama-3-8B-shaped model with random bf16 weights (benchmarks.engine's
-config; no download, no tokenizer: prompts are token ids). Per KV scheme
-one engine is built; for each concurrency C a bounded, seeded workload of
-requests (prompt and output lengths uniform) runs twice:
+GPU: a Llama-3-8B-shaped model with random bf16 weights (benchmarks.engine's
+config; no download, no tokenizer: prompts are token ids), one engine per KV
+scheme. ``--standin``: the same engine machinery (scheduler, sampler, a real
+KVCache and BlockManager of a tiny model) with a stand-in model whose step
+sleeps ``--step-ms`` (releasing the GIL as a wait on the GPU does) and reads
+the next token from a table -- so on a CPU the served run pays exactly the
+server's own costs (HTTP, SSE, JSON, the GIL shared with the engine thread).
 
-- ``served`` (first): through ``kvgen serve`` on 127.0.0.1 (uvicorn and the engine
-  thread in this process, as ``kvgen serve`` runs them), driven by C
+For each concurrency C a bounded, seeded workload of requests (prompt and
+output lengths uniform, ``ignore_eos``) runs on both paths, in this process
+and on the same engine, after a warm-up of each path at C (kernel tuning,
+graph capture, connection set-up are paid before anything is timed):
+
+- ``offline``: straight on the engine, closed loop with at most C requests
+  in flight (a finished request is replaced by the next), as the clients do;
+- ``served``: through ``kvgen serve``'s app on 127.0.0.1 (uvicorn and the
+  engine thread in this process, as ``kvgen serve`` runs them), driven by C
   streaming HTTP clients in a separate process (so the load generator does
-  not share the server's GIL), ``stream_options.include_usage`` on;
-- ``offline`` (second, so it gets any kernel tuning the first run paid
-  for): straight on the engine, closed loop with at most C requests in
-  flight (a finished request is replaced by the next), as the clients do.
+  not share the server's GIL), ``stream_options.include_usage`` on.
 
-Records (JSON ``{gpu, torch, triton, date, quick, records}``): ``kind``
-``served`` or ``offline``, ``kv``, ``clients``, ``requests``, ``s``,
-``requests_per_s``, ``tokens_per_s`` (output tokens), and for ``served``
-``ttft_p50/p99_ms``, ``tpot_p50/p99_ms`` (client-side: first streamed token
-after sending; (last - first token) / (tokens - 1)) and ``http_overhead``
-= 1 - served tokens/s / offline tokens/s at the same C.
+Records (JSON ``{machine, python, torch, triton, date, command, records}``):
+``kind`` ``served`` or ``offline``, ``kv``, ``clients``, ``requests``, ``s``,
+``requests_per_s``, ``tokens_per_s`` (output tokens), ``ttft_p50/p99_ms``,
+``tpot_p50/p99_ms`` (served: client-side, first streamed token after sending,
+(last - first token) / (tokens - 1); offline: the engine's request times) and,
+for ``served``, ``http_overhead`` = 1 - served tokens/s / offline tokens/s at
+the same C. With ``--repeat R`` each path runs R times (alternating) and the
+fastest run of each is kept (``runs`` lists all tokens/s).
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
+import platform
 import random
 import subprocess
 import sys
@@ -62,12 +74,41 @@ def percentile(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
+def summary(n: int, s: float, tokens: int, ttft_s: list[float], tpot_s: list[float]) -> dict:
+    ttft = [x * 1e3 for x in ttft_s]
+    tpot = [x * 1e3 for x in tpot_s]
+    return dict(requests=n, s=s, requests_per_s=n / s, tokens_per_s=tokens / s, ttft_p50_ms=percentile(ttft, 50),
+                ttft_p99_ms=percentile(ttft, 99), tpot_p50_ms=percentile(tpot, 50), tpot_p99_ms=percentile(tpot, 99))
+
+
+class StandinRunner:
+    """A model step that costs ``step_s`` of waiting (``time.sleep``: the GIL is free, as during a GPU wait).
+
+    Logits of a row = ``table[last input token]`` (a fixed random table), so
+    the engine's sampler, scheduler and KV cache do their real work.
+    """
+
+    def __init__(self, step_s: float, vocab: int, seed: int = 0) -> None:
+        import torch
+
+        self.step_s = step_s
+        self.table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+    def run(self, step, input_ids, positions, sample_rows):
+        import torch
+
+        time.sleep(self.step_s)
+        if not sample_rows:
+            return None
+        return self.table.index_select(0, torch.tensor([input_ids[r] for r in sample_rows]))
+
+
 # -- the client process -------------------------------------------------------------------------------------------
 async def _client_run(url: str, reqs: list, clients: int) -> dict:
     import httpx
 
-    queue = list(enumerate(reqs))
-    stats: list[dict] = []
+    queue = list(reversed(reqs))
+    stats: list[tuple[float, float | None, int]] = []
 
     async def one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> None:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
@@ -80,19 +121,18 @@ async def _client_run(url: str, reqs: list, clients: int) -> dict:
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                elif chunk.get("choices"):
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-        stats.append(dict(ttft=first - t0, tpot=(last - first) / (tokens - 1) if tokens > 1 else None,
-                          tokens=tokens))
+                if '"choices":[]' in line.replace(" ", ""):  # the usage chunk: only this one is parsed
+                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+                else:  # a chunk with tokens (parsing each would make the client, not the server, the bottleneck)
+                    last = time.perf_counter()
+                    first = first or last
+        if first is None or tokens < 1:
+            raise RuntimeError(f"a request got no tokens (usage {tokens})")
+        stats.append((first - t0, (last - first) / (tokens - 1) if tokens > 1 else None, tokens))
 
     async def worker(http: httpx.AsyncClient) -> None:
         while queue:
-            _, (prompt, n) = queue.pop(0)
+            prompt, n = queue.pop()
             await one(http, prompt, n)
 
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
@@ -100,11 +140,8 @@ async def _client_run(url: str, reqs: list, clients: int) -> dict:
         t = time.perf_counter()
         await asyncio.gather(*(worker(http) for _ in range(clients)))
         s = time.perf_counter() - t
-    ttft = [x["ttft"] * 1e3 for x in stats]
-    tpot = [x["tpot"] * 1e3 for x in stats if x["tpot"] is not None]
-    return dict(requests=len(stats), s=s, requests_per_s=len(stats) / s,
-                tokens_per_s=sum(x["tokens"] for x in stats) / s, ttft_p50_ms=percentile(ttft, 50),
-                ttft_p99_ms=percentile(ttft, 99), tpot_p50_ms=percentile(tpot, 50), tpot_p99_ms=percentile(tpot, 99))
+    return summary(len(stats), s, sum(x[2] for x in stats), [x[0] for x in stats],
+                   [x[1] for x in stats if x[1] is not None])
 
 
 def client_main(args: argparse.Namespace) -> int:
@@ -119,24 +156,31 @@ def offline(engine, reqs: list, clients: int, sync) -> dict:
     from kvgen.engine import SamplingParams
 
     engine.stream_text = False
-    pending = list(reqs)
+    pending = list(reversed(reqs))
     live = 0
     generated = 0
+    ttft: list[float] = []
+    tpot: list[float] = []
     sync()
     t = time.perf_counter()
     while pending or live:
         while pending and live < clients:
-            prompt, n = pending.pop(0)
+            prompt, n = pending.pop()
             engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
             live += 1
         for out in engine.step():
             if out.finished:
                 live -= 1
-                generated += len(out.outputs[0].token_ids)
+                k = len(out.outputs[0].token_ids)
+                generated += k
+                m = out.metrics
+                ttft.append(m.first_token_time - m.arrival_time)
+                if k > 1:
+                    tpot.append((m.finished_time - m.first_token_time) / (k - 1))
     sync()
     s = time.perf_counter() - t
     engine.stream_text = True
-    return dict(requests=len(reqs), s=s, requests_per_s=len(reqs) / s, tokens_per_s=generated / s)
+    return summary(len(reqs), s, generated, ttft, tpot)
 
 
 class Served:
@@ -153,6 +197,8 @@ class Served:
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
             time.sleep(0.01)
 
     def stop(self) -> None:
@@ -166,7 +212,8 @@ def drive(url: str, reqs: list, clients: int) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.serve_load", "--client", "--url", url, "--workload", f.name,
            "--concurrency", str(clients)]
     try:
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600)
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600,
+                             cwd=Path(__file__).resolve().parents[1])
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"client failed: {e.stderr[-2000:]}") from None
     finally:
@@ -174,10 +221,44 @@ def drive(url: str, reqs: list, clients: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def measure(engine, reqs: list, warm: list, clients: int, sync, repeat: int) -> tuple[dict, dict]:
+    """Both paths on ``reqs`` at ``clients``, each warmed up on ``warm`` first; the fastest of ``repeat`` runs."""
+    offline(engine, warm, clients, sync)
+    runs: dict[str, list[dict]] = {"offline": [], "served": []}
+    for _ in range(repeat):
+        runs["offline"].append(offline(engine, reqs, clients, sync))
+        server = Served(engine)
+        try:
+            drive(server.url, warm, clients)
+            runs["served"].append(drive(server.url, reqs, clients))
+        finally:
+            server.stop()
+    best = {k: max(v, key=lambda r: r["tokens_per_s"]) for k, v in runs.items()}
+    for k, v in runs.items():
+        best[k] = dict(best[k], runs=[round(r["tokens_per_s"], 1) for r in v])
+    return best["offline"], best["served"]
+
+
+def machine() -> str:
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else name
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer and shorter requests (minutes)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, 1 and 4 clients (checks the script)")
+    ap.add_argument("--standin", action="store_true",
+                    help="CPU proxy: a stand-in model whose step sleeps --step-ms (no GPU, no kernels)")
+    ap.add_argument("--step-ms", type=float, default=10.0, help="--standin: the stand-in model's step time")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each path per C; the fastest is kept")
     ap.add_argument("--out", default="benchmarks/results/serve_load.json")
     ap.add_argument("--kv", default="bf16,int8,int4")
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="client counts, comma-separated")
@@ -187,6 +268,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.client:
         return client_main(args)
+    cpu = args.smoke or args.standin
+    if cpu:  # the KV cache's kernels run in the interpreter on the CPU (the stand-in launches none per step)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
     import torch
     import triton
@@ -196,19 +280,24 @@ def main(argv=None) -> int:
 
     smoke, quick = args.smoke, args.quick or args.smoke
     levels = [1, 4] if smoke else [int(c) for c in args.concurrency.split(",")]
-    kvs = ["fp32"] if smoke else args.kv.split(",")
-    if smoke:
+    kvs = ["fp32"] if cpu else args.kv.split(",")
+    if cpu:
         config, dev, dtype, vocab = TINY, "cpu", "float32", TINY["vocab_size"]
-        prompt, output = (8, 24), (3, 5)
+        prompt, output = ((8, 24), (3, 5)) if smoke else ((16, 64), (32, 96))
+        max_model_len = 64 if smoke else 256
     else:
         from benchmarks.engine import LLAMA3_8B
         config, dev, dtype, vocab = LLAMA3_8B, "cuda", "bfloat16", 100000
         prompt, output = ((128, 512), (32, 128)) if quick else ((256, 1024), (64, 256))
+        max_model_len = 2048
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     records: list[dict] = []
-    doc = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu", torch=torch.__version__,
-               triton=triton.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               quick=quick, model="Llama-3-8B shape, random weights" if not smoke else "tiny random",
+    doc = dict(machine=torch.cuda.get_device_name() if dev == "cuda" else machine(), python=platform.python_version(),
+               torch=torch.__version__, triton=triton.__version__,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(), quick=quick,
+               command="python -m benchmarks.serve_load " + " ".join(sys.argv[1:] if argv is None else argv),
+               model=("stand-in (sleep %g ms per step, table tokens) on a tiny fp32 KVCache" % args.step_ms
+                      if args.standin else "tiny random" if smoke else "Llama-3-8B shape, random weights"),
                prompt_tokens=list(prompt), output_tokens=list(output), records=records)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -220,44 +309,53 @@ def main(argv=None) -> int:
 
     for kv in kvs:
         try:
-            engine = build_engine(config=config, kv=kv, dtype=dtype, device=dev, max_model_len=2048 if not smoke
-                                  else 64, max_num_seqs=max(levels), max_tokens=None if not smoke else 4096)
+            engine = build_engine(config=config, kv=kv, dtype=dtype, device=dev, max_model_len=max_model_len,
+                                  max_num_seqs=max(levels), max_tokens=None if not cpu else max_model_len * max(levels),
+                                  max_num_batched_tokens=4096 if args.standin else None, verbose=not args.standin)
         except Exception as e:  # one scheme failing must not lose the others
             log(f"{kv}: engine failed: {type(e).__name__}: {e}")
             continue
+        if args.standin:
+            engine.runner = StandinRunner(args.step_ms / 1e3, vocab)
         for c in levels:
-            n = (max(2 * c, 8) if quick else min(max(4 * c, 32), 1024)) if not smoke else 2 * c
+            if smoke:
+                n = 2 * c
+            elif quick:
+                n = max(2 * c, 8)
+            else:
+                n = min(max(4 * c, 32), 1024)
             reqs = workload(n, seed=c, prompt=prompt, output=output, vocab=vocab)
-            server = Served(engine)
+            warm = workload(min(n, max(c, 4)), seed=10_000 + c, prompt=prompt, output=output, vocab=vocab)
             try:
-                drive(server.url, reqs[:1], 1)  # warm-up: connection set-up, first request path
-                rec = drive(server.url, reqs, c)
+                base, rec = measure(engine, reqs, warm, c, sync, max(1, args.repeat))
             except Exception as e:
-                log(f"{kv} x{c}: served run failed: {e}")
+                log(f"{kv} x{c}: run failed: {e}")
                 continue
-            finally:
-                server.stop()
-            # offline second: it inherits the kernels tuned during the served run, so the overhead is not flattered
-            base = offline(engine, reqs, c, sync)
             base.update(kind="offline", kv=kv, clients=c)
-            records.append(base)
+            rec.update(kind="served", kv=kv, clients=c, http_overhead=1 - rec["tokens_per_s"] / base["tokens_per_s"])
+            records += [base, rec]
             log(json.dumps(base))
-            rec.update(kind="served", kv=kv, clients=c,
-                       http_overhead=1 - rec["tokens_per_s"] / base["tokens_per_s"])
-            records.append(rec)
             log(json.dumps(rec))
             save()
+        engine.close()
         del engine
         if dev == "cuda":
             torch.cuda.empty_cache()
     save()
     log(f"wrote {out}")
-    for r in records:
-        if r["kind"] == "served":
-            log(f"{r['kv']:>5} x{r['clients']:<4} {r['requests_per_s']:8.2f} req/s {r['tokens_per_s']:9.0f} tok/s  "
-                f"TTFT p50/p99 {r['ttft_p50_ms']:.1f}/{r['ttft_p99_ms']:.1f} ms  TPOT p50/p99 "
-                f"{r['tpot_p50_ms'] or 0:.1f}/{r['tpot_p99_ms'] or 0:.1f} ms  overhead {100 * r['http_overhead']:.1f}%")
+    log(table(records))
     return 0
+
+
+def table(records: list[dict]) -> str:
+    rows = [f"{'kv':>5} {'C':>4} {'path':>8} {'req/s':>8} {'tok/s':>9} {'TTFT p50/p99 ms':>17} "
+            f"{'TPOT p50/p99 ms':>17} {'overhead':>8}"]
+    for r in records:
+        over = f"{100 * r['http_overhead']:7.1f}%" if "http_overhead" in r else ""
+        rows.append(f"{r['kv']:>5} {r['clients']:>4} {r['kind']:>8} {r['requests_per_s']:8.2f} {r['tokens_per_s']:9.0f}"
+                    f" {r['ttft_p50_ms'] or 0:8.1f}/{r['ttft_p99_ms'] or 0:8.1f} "
+                    f"{r['tpot_p50_ms'] or 0:8.1f}/{r['tpot_p99_ms'] or 0:8.1f} {over:>8}")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

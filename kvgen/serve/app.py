@@ -165,12 +165,18 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
         return JSONResponse(await _collect(request, stream, choices, fmt))
 
     async def _sse(stream: Stream, choices: Choices, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
+        # One write per wake-up: the mailbox holds the newest output of each prompt, so a client that fell
+        # behind gets the tokens of several steps in one chunk, and the loop's work per step stays bounded.
         try:
             try:
-                async for index, out in stream.outputs():
-                    deltas = choices.update(index, out, out.finished)
-                    if deltas:
-                        yield f"data: {json.dumps(fmt.chunk(deltas, include_usage))}\n\n"
+                async for batch in stream.batches():
+                    events = []
+                    for index, out in batch:
+                        deltas = choices.update(index, out, out.finished)
+                        if deltas:
+                            events.append(fmt.sse(deltas, include_usage))
+                    if events:
+                        yield "".join(events)
             except ApiError as e:
                 yield f"data: {json.dumps(e.body())}\n\n"
             if include_usage:

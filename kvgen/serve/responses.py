@@ -7,10 +7,16 @@ completion runs with stop strings, its last ``max(len(stop)) - 1``
 characters are held back (a stop string may still complete there and the
 engine then cuts it from the text), and text ending in an incomplete UTF-8
 character waits for the next token; the finished text is sent in full.
+
+Stream chunks are written by :meth:`Formatter.sse` from templates made once
+per request (the same JSON as ``json.dumps(Formatter.chunk(...))``, compact):
+at many clients the event loop writes one chunk per request and engine step,
+so each must cost microseconds.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -125,6 +131,13 @@ def chat_logprobs(prompter: Prompter, ids: list[int], lps: list[dict[int, float]
     return {"content": content}
 
 
+_quote = json.encoder.encode_basestring_ascii  # json.dumps of a str (C), without dumps' per-call set-up
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
 class Formatter:
     """Builds the JSON bodies of one request for its endpoint (``chat`` or not)."""
 
@@ -136,6 +149,23 @@ class Formatter:
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        self._head = f'data: {{"id":{_quote(self.id)},"object":"{obj}","created":{self.created},' \
+                     f'"model":{_quote(model)},"choices":['
+
+    def sse(self, deltas: list[Delta], usage: bool) -> str:
+        """One server-sent event ``data: {chunk}\\n\\n``: :meth:`chunk`'s JSON, built from strings."""
+        parts = []
+        for d in deltas:
+            lp = "null" if d.logprobs is None else _dumps(self._logprobs(d.index, d.token_ids, d.logprobs))
+            reason = "null" if d.finish_reason is None else _quote(d.finish_reason)
+            if self.chat:
+                delta = ('{"role":"assistant","content":' + _quote(d.text) + "}" if d.first else
+                         '{"content":' + _quote(d.text) + "}" if d.text else "{}")
+                parts.append(f'{{"index":{d.index},"delta":{delta},"logprobs":{lp},"finish_reason":{reason}}}')
+            else:
+                parts.append(f'{{"index":{d.index},"text":{_quote(d.text)},"logprobs":{lp},"finish_reason":{reason}}}')
+        return self._head + ",".join(parts) + ('],"usage":null}\n\n' if usage else "]}\n\n")
 
     def _logprobs(self, index: int, ids: list[int], lps: list[dict[int, float]] | None) -> Any:
         if self.chat:

@@ -3,11 +3,19 @@
 The engine (and the BlockManager under it) is not thread-safe, so every
 engine call happens on the worker's thread: the HTTP handlers, on the event
 loop, only put commands on a queue (``add``, ``abort``, ``call``) and read
-results from per-request asyncio queues. The thread loops: run the queued
-commands, then one ``engine.step()`` if anything is unfinished (else sleep
-until a command arrives), then hand the step's outputs to the event loop in
-one ``call_soon_threadsafe``. A command runs between two steps, so an abort
-frees the request's pages before the next step is planned.
+results from per-request mailboxes (:class:`Stream`). The thread loops: run
+the queued commands, then one ``engine.step()`` if anything is unfinished
+(else sleep until a command arrives), then hand the step's outputs to the
+event loop in one ``call_soon_threadsafe``; it never waits on the loop. A
+command runs between two steps, so an abort frees the request's pages
+before the next step is planned.
+
+The engine thread and the event loop share the GIL. With CPython's default
+5 ms switch interval, a thread coming back from a GIL-free wait (a GPU
+sync, a torch op) while the loop is busy waits up to 5 ms for the GIL --
+per release, several times a step -- so a loop busy streaming to many
+clients stretched every engine step. While a worker runs, the interval is
+:data:`SWITCH_INTERVAL_S` (restored when the last worker stops).
 
 Draining (SIGTERM): :meth:`begin_drain` refuses new requests; requests
 still unfinished at the deadline are aborted (their streams end with finish
@@ -20,44 +28,105 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from .protocol import ApiError
 
 IDLE_WAIT_S = 0.5
+SWITCH_INTERVAL_S = 0.0005
+"""sys.setswitchinterval while a worker runs: how long the engine thread waits at most for the GIL."""
+
+_switch_lock = threading.Lock()
+_switch_users = 0
+_switch_saved = 0.005
 
 
-@dataclass
+def _hold_switch_interval(on: bool) -> None:
+    """Count running workers; the first lowers the interpreter's switch interval, the last restores it."""
+    global _switch_users, _switch_saved
+    with _switch_lock:
+        if on:
+            if _switch_users == 0:
+                _switch_saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(_switch_saved, SWITCH_INTERVAL_S))
+            _switch_users += 1
+        elif _switch_users > 0:
+            _switch_users -= 1
+            if _switch_users == 0:
+                sys.setswitchinterval(_switch_saved)
+
+
 class Stream:
-    """The engine requests of one HTTP request (one per prompt) and the queue their outputs arrive on.
+    """The engine requests of one HTTP request (one per prompt) and the mailbox their outputs arrive in.
 
-    Items are ``(prompt_index, RequestOutput)``, or an exception when the
-    engine failed. ``finished`` counts the prompts whose last output arrived.
+    Outputs are cumulative snapshots (a RequestOutput holds every token so
+    far), so the mailbox keeps only the latest one per prompt: a handler
+    that falls behind the engine reads one output covering several steps
+    (streamed as one multi-token chunk) instead of a backlog of one item per
+    step. The engine thread never waits on the handler: it drops the latest
+    snapshot in with one loop callback per step for all streams.
     """
 
-    request_ids: list[str]
-    queue: asyncio.Queue
-    finished: set[str] = field(default_factory=set)
+    __slots__ = ("request_ids", "finished", "_latest", "_error", "_waiter")
+
+    def __init__(self, request_ids: list[str]) -> None:
+        self.request_ids = request_ids
+        self.finished: set[str] = set()  # ids whose last output the handler has taken
+        self._latest: dict[int, tuple[Any, bool]] = {}  # prompt index -> (newest output, finished)
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
 
     @property
     def done(self) -> bool:
         return len(self.finished) == len(self.request_ids)
 
-    async def outputs(self):
-        """Yield ``(prompt_index, RequestOutput)`` until every prompt finished; an engine failure is ApiError 500."""
+    # event loop: called by the worker's per-step callback
+    def push(self, index: int, out: Any, finished: bool) -> None:
+        self._latest[index] = (out, finished)
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def batches(self):
+        """Yield lists of ``(prompt_index, RequestOutput)``, each the newest of every prompt that changed.
+
+        Ends when every prompt finished; an engine failure is ApiError 500.
+        """
         while not self.done:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise ApiError(500, f"the engine failed: {type(item).__name__}: {item}", type="internal_error")
-            index, out, finished = item
-            if finished:
-                self.finished.add(self.request_ids[index])
-            yield index, out
+            if not self._latest and self._error is None:
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            if self._error is not None:
+                e = self._error
+                raise ApiError(500, f"the engine failed: {type(e).__name__}: {e}", type="internal_error")
+            latest, self._latest = self._latest, {}
+            batch = []
+            for index, (out, finished) in sorted(latest.items()):
+                if finished:
+                    self.finished.add(self.request_ids[index])
+                batch.append((index, out))
+            yield batch
+
+    async def outputs(self):
+        """Yield ``(prompt_index, RequestOutput)`` until every prompt finished (see :meth:`batches`)."""
+        async for batch in self.batches():
+            for item in batch:
+                yield item
 
 
 class EngineWorker:
@@ -85,11 +154,13 @@ class EngineWorker:
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._released_switch = False
 
     # -- life cycle (event loop) ----------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="kvgen-engine", daemon=True)
+        _hold_switch_interval(True)
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -98,6 +169,9 @@ class EngineWorker:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            if not self._released_switch:
+                self._released_switch = True
+                _hold_switch_interval(False)
 
     def begin_drain(self, timeout: float) -> None:
         """Refuse new requests from now on; abort the unfinished ones after ``timeout`` seconds.
@@ -127,7 +201,7 @@ class EngineWorker:
             raise ApiError(429, f"the server already holds {self._pending} requests (limit {self.max_pending}); "
                                 f"retry later", type="rate_limit_exceeded", headers={"Retry-After": "1"})
         base = f"r{next(self._ids)}"
-        stream = Stream([f"{base}-{i}" for i in range(len(prompts))], asyncio.Queue())
+        stream = Stream([f"{base}-{i}" for i in range(len(prompts))])
         self._pending += len(prompts)
         self._streams.add(id(stream))
         try:
@@ -248,10 +322,10 @@ class EngineWorker:
                 self.engine.abort_request(rid)
             except BaseException:  # noqa: BLE001 -- the engine is already broken; the pages die with it
                 pass
-            items.append((stream.queue, error))
+            items.append((stream, error))
         self._sinks.clear()
         if self._loop is not None and items:
-            self._loop.call_soon_threadsafe(_put_all, items)
+            self._loop.call_soon_threadsafe(_fail_streams, items)
 
     def _deliver(self, outs: Sequence[Any], force_finished: bool = False) -> None:
         items = []
@@ -263,9 +337,9 @@ class EngineWorker:
             finished = out.finished or force_finished
             if finished:
                 del self._sinks[out.request_id]
-            items.append((stream.queue, (index, out, finished)))
+            items.append((stream, index, out, finished))
         if items and self._loop is not None:
-            self._loop.call_soon_threadsafe(_put_all, items)
+            self._loop.call_soon_threadsafe(_push_all, items)
 
     # -- introspection (worker thread, through call()) -------------------------------------
     def kv_pages(self) -> dict[str, int]:
@@ -292,6 +366,11 @@ def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> No
         fut.set_result(result)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+def _push_all(items: list[tuple[Stream, int, Any, bool]]) -> None:
+    for stream, index, out, finished in items:
+        stream.push(index, out, finished)
+
+
+def _fail_streams(items: list[tuple[Stream, BaseException]]) -> None:
+    for stream, error in items:
+        stream.fail(error)
