@@ -57,137 +57,19 @@ The manager is not thread-safe; call it from one thread (the scheduler's).
 
 from __future__ import annotations
 
-import hashlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
 
 from . import journal as J
-from .errors import KvgenRuntimeError, OutOfPages, SwappedOut, UnknownSequence, check_seq_id, seq_id_list, token_list
+from .pages import (COMPRESSED, RESIDUAL, AppendPlan, Phase, StepPlan, _Draft, _Pool, _PrefixCache, _Seq,
+                    page_hash)
+from .errors import (KvgenRuntimeError, OutOfPages, SwappedOut, UnknownSequence, append_tokens, check_seq_id,
+                     seq_id_list, step_args, token_list)
 from .tiering import HOST, HOST_COMPRESSED, HOST_RESIDUAL, TieringMixin, TransferPlan
 
-COMPRESSED = "compressed"
-"""Name of the compressed pool (the scheme's quantized pages)."""
-RESIDUAL = "residual"
-"""Name of the residual pool (recent tokens in the compute dtype)."""
 POOLS = (COMPRESSED, RESIDUAL)
 __all__ = ["COMPRESSED", "RESIDUAL", "HOST_COMPRESSED", "HOST_RESIDUAL", "HOST", "POOLS", "AppendPlan", "Phase",
            "StepPlan", "TransferPlan", "BlockManager", "page_hash"]
-
-
-def page_hash(parent: str | None, token_ids: Sequence[int], scheme_name: str = "") -> str:
-    """The prefix-cache key of a full page: a hex sha256, the same in every process.
-
-    ``parent`` is the key of the previous page of the sequence (None for the
-    first page), so a key names the page's whole prefix, not only its tokens.
-    """
-    key = (parent, tuple(int(t) for t in token_ids), scheme_name)
-    return hashlib.sha256(repr(key).encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class AppendPlan:
-    """What the caller must do, in this order, to store the tokens of one append.
-
-    1. ``copies``: for each ``(pool, src, dst)``, copy page ``src`` of ``pool``
-       into page ``dst`` of the same pool (copy-on-write of a shared page).
-    2. Write the new tokens' K and V: token ``j`` of the append goes to
-       ``slots[j] = page * page_size + offset`` in ``write_pool`` (the residual
-       pool for schemes with a residual, else the compressed pool, quantizing).
-    3. ``conversions``: for each ``(src, dst)``, quantize residual page ``src``
-       (now full, after step 2) into compressed page ``dst``. The manager has
-       already released ``src``: the very next :meth:`BlockManager.append` may
-       hand it out again. Running each plan's three steps before the next
-       plan's writes (on one CUDA stream) is safe; to batch the writes of
-       several appends before their conversions, use
-       :meth:`BlockManager.reserve_step`, which keeps such pages out of reach
-       until the step ends.
-    """
-
-    slots: list[int]
-    copies: list[tuple[str, int, int]] = field(default_factory=list)
-    conversions: list[tuple[int, int]] = field(default_factory=list)
-    write_pool: str = COMPRESSED
-    spills: list[tuple[str, int, int]] = field(default_factory=list)
-    """Run before everything else: ``(pool, device page, host page)`` copies of evicted prefix-cache
-    pages to the host tier (the append then overwrites the device page)."""
-
-
-@dataclass
-class Phase:
-    """Tokens ``[start, end)`` of a step (in step order) and the page work around their write.
-
-    Per layer a phase runs its ``copies`` (``(pool, src, dst)``), writes its
-    tokens, then runs its ``conversions`` (``(src, dst)``); phases run in
-    order. A new phase starts only when a residual-scheme append needs the
-    residual pages that earlier conversions of the step released.
-    """
-
-    start: int
-    end: int = 0
-    copies: list[tuple[str, int, int]] = field(default_factory=list)
-    conversions: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What :meth:`BlockManager.reserve_step` decided: every new token's slot (step order) and the phases.
-
-    ``slots[j]`` is ``page * page_size + offset`` in the manager's
-    ``write_pool``; phase ``i`` writes ``slots[phases[i].start:phases[i].end]``.
-    """
-
-    slots: list[int]
-    phases: list[Phase]
-    spills: list[tuple[str, int, int]] = field(default_factory=list)
-    """``(pool, device page, host page)`` copies to run before any phase (see :class:`AppendPlan`)."""
-
-
-@dataclass
-class _Pool:
-    size: int
-    ref: list[int]
-    free: deque  # LIFO: pop() from the right, push to the right
-
-    @classmethod
-    def new(cls, size: int) -> _Pool:
-        # reversed so that a fresh pool hands out 0, 1, 2, ...
-        return cls(size, [0] * size, deque(range(size - 1, -1, -1)))
-
-
-@dataclass
-class _Seq:
-    table: list[int]
-    length: int
-    num_compressed: int
-    hashes: list[str]    # chain hashes of the first len(hashes) full pages
-    pending: list[int]   # token ids of the partial tail page, while ids are known
-    known: bool          # every token id so far was given (else no more hashing)
-    cold: int = 0        # leading pages held in the host tier (full compressed pages)
-    swapped: bool = False  # every page is in the host tier (swapped out): no step may touch it
-
-
-@dataclass
-class _PrefixCache:
-    """Hash <-> page of one tier's prefix cache, and its evictable pages (ref 0) -> release stamp."""
-
-    hash_page: dict = field(default_factory=dict)
-    page_hash: dict = field(default_factory=dict)
-    lru: OrderedDict = field(default_factory=OrderedDict)  # least recently released first
-
-
-@dataclass
-class _Draft:
-    """An append worked out without touching any state."""
-
-    cow: bool
-    new_pages: int
-    new_hashes: list[str]
-    pending: list[int]
-    known: bool
-    num_compressed: int
-    convert: list[tuple[int, str | None, int | None]]  # (logical page, hash, cached page to reuse)
-    register: list[tuple[int, str]]                      # (logical page, hash), no-residual schemes
 
 
 class BlockManager(TieringMixin):
@@ -323,7 +205,7 @@ class BlockManager(TieringMixin):
     def can_append(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None) -> bool:
         """True when :meth:`append` with these arguments would not raise OutOfPages."""
         try:
-            self._prepare(seq_id, self._live(seq_id), num_tokens, self._token_list(token_ids, num_tokens))
+            self._prepare(seq_id, self._live(seq_id), num_tokens, append_tokens(token_ids, num_tokens))
         except OutOfPages:
             return False
         return True
@@ -419,7 +301,7 @@ class BlockManager(TieringMixin):
         an id that is not live.
         """
         s = self._live(seq_id)
-        plan = self._append(seq_id, s, num_tokens, self._token_list(token_ids, num_tokens))
+        plan = self._append(seq_id, s, num_tokens, append_tokens(token_ids, num_tokens))
         if self._spills:
             spills, self._spills = self._spills, []
             plan = AppendPlan(plan.slots, plan.copies, plan.conversions, plan.write_pool, spills)
@@ -446,7 +328,7 @@ class BlockManager(TieringMixin):
         before: an undo journal rolls back what the step changed.
         """
         seq_ids = seq_id_list(seq_ids, "reserve_step")
-        counts, toks = self._check_step(seq_ids, num_new, token_ids)
+        counts, toks = step_args(seq_ids, num_new, token_ids)
         seqs = [self._live(sid) for sid in seq_ids]
         journal: list = []
         self._journal, self._parked, stamp = journal, [], self._stamp
@@ -541,50 +423,6 @@ class BlockManager(TieringMixin):
             return self._pools[pool]
         except (KeyError, TypeError):
             raise KvgenRuntimeError(f"unknown pool {pool!r}; use one of {list(self._pools)}") from None
-
-    @staticmethod
-    def _token_list(token_ids: Sequence[int] | None, expected: int | None) -> list[int] | None:
-        if token_ids is None:
-            return None
-        tokens = token_list(token_ids, "append")
-        if expected is not None and len(tokens) != expected:
-            raise KvgenRuntimeError(
-                f"append got {len(tokens)} token ids for {expected} tokens; pass one id per token or None")
-        return tokens
-
-    def _check_step(self, seq_ids: tuple, num_new: Sequence[int],
-                    token_ids: Sequence[Sequence[int] | None] | None) -> tuple[list[int], list]:
-        """Validate a step's arguments (nothing changes); returns the counts and per-sequence token lists."""
-        if isinstance(num_new, (str, bytes)) or not isinstance(num_new, Sequence):
-            raise KvgenRuntimeError(f"reserve_step token counts must be a list of ints, got {num_new!r}")
-        if len(num_new) != len(seq_ids):
-            raise KvgenRuntimeError(
-                f"plan_step got {len(seq_ids)} sequence ids and {len(num_new)} token counts; "
-                f"pass one count per sequence")
-        if len(set(seq_ids)) != len(seq_ids):
-            raise KvgenRuntimeError("plan_step got a sequence id twice; each sequence appears once per step")
-        counts = []
-        for n in num_new:
-            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-                raise KvgenRuntimeError(f"plan_step token counts must be ints >= 0, got {n!r}")
-            counts.append(int(n))
-        if token_ids is None:
-            return counts, [None] * len(seq_ids)
-        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
-            raise KvgenRuntimeError(
-                f"plan_step token_ids must be a list with one list of ids (or None) per sequence, "
-                f"got a {type(token_ids).__name__}")
-        if len(token_ids) != len(seq_ids):
-            raise KvgenRuntimeError(
-                f"plan_step got token ids for {len(token_ids)} sequences, expected {len(seq_ids)} (or None)")
-        toks: list = []
-        for sid, ids, n in zip(seq_ids, token_ids, counts):
-            ids = None if ids is None else token_list(ids, f"plan_step, sequence {sid!r}")
-            if ids is not None and len(ids) != n:
-                raise KvgenRuntimeError(
-                    f"plan_step: sequence {sid!r} adds {n} tokens but got {len(ids)} token ids")
-            toks.append(ids)
-        return counts, toks
 
     def _fit(self, s: _Seq, want: int) -> int:
         """How many of ``want`` tokens one residual append can place in the free residual pages now."""

@@ -8,6 +8,8 @@ what was wrong and what to do.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class KvgenRuntimeError(Exception):
     """Base class of every user-facing runtime error. The message is one line."""
@@ -76,6 +78,52 @@ def token_list(token_ids: object, what: str) -> list[int]:
                 f"{what}: token ids must be ints, got {_short(t)} ({type(t).__name__}) at position {i}; "
                 f"pass the tokenizer's integer ids") from None
     return out
+
+
+def append_tokens(token_ids: Sequence[int] | None, expected: int | None) -> list[int] | None:
+    """An append's token ids as ints (or None), checked to number ``expected``."""
+    if token_ids is None:
+        return None
+    tokens = token_list(token_ids, "append")
+    if expected is not None and len(tokens) != expected:
+        raise KvgenRuntimeError(
+            f"append got {len(tokens)} token ids for {expected} tokens; pass one id per token or None")
+    return tokens
+
+
+def step_args(seq_ids: tuple, num_new: Sequence[int],
+              token_ids: Sequence[Sequence[int] | None] | None) -> tuple[list[int], list]:
+    """Validate a step's arguments (nothing changes); returns the counts and per-sequence token lists."""
+    if isinstance(num_new, (str, bytes)) or not isinstance(num_new, Sequence):
+        raise KvgenRuntimeError(f"reserve_step token counts must be a list of ints, got {num_new!r}")
+    if len(num_new) != len(seq_ids):
+        raise KvgenRuntimeError(
+            f"plan_step got {len(seq_ids)} sequence ids and {len(num_new)} token counts; "
+            f"pass one count per sequence")
+    if len(set(seq_ids)) != len(seq_ids):
+        raise KvgenRuntimeError("plan_step got a sequence id twice; each sequence appears once per step")
+    counts = []
+    for n in num_new:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise KvgenRuntimeError(f"plan_step token counts must be ints >= 0, got {n!r}")
+        counts.append(int(n))
+    if token_ids is None:
+        return counts, [None] * len(seq_ids)
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise KvgenRuntimeError(
+            f"plan_step token_ids must be a list with one list of ids (or None) per sequence, "
+            f"got a {type(token_ids).__name__}")
+    if len(token_ids) != len(seq_ids):
+        raise KvgenRuntimeError(
+            f"plan_step got token ids for {len(token_ids)} sequences, expected {len(seq_ids)} (or None)")
+    toks: list = []
+    for sid, ids, n in zip(seq_ids, token_ids, counts):
+        ids = None if ids is None else token_list(ids, f"plan_step, sequence {sid!r}")
+        if ids is not None and len(ids) != n:
+            raise KvgenRuntimeError(
+                f"plan_step: sequence {sid!r} adds {n} tokens but got {len(ids)} token ids")
+        toks.append(ids)
+    return counts, toks
 
 
 def _short(value: object, limit: int = 60) -> str:
