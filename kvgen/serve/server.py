@@ -46,10 +46,14 @@ def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (``port`` 0: a free one; read it with getsockname).
 
     It listens at once, so clients that connect while the model loads wait
-    in the backlog instead of being refused.
+    in the backlog instead of being refused. Made with protocol IPPROTO_TCP
+    (not 0): asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
+    sockets that say so, and with Nagle on each small SSE write after the
+    headers waited for the client's delayed ACK (~40 ms): tokens arrived in
+    bursts and the first one late.
     """
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)

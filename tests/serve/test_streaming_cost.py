@@ -110,3 +110,31 @@ def test_switch_interval_is_short_while_serving_and_restored_after():
     with ServerThread(table_engine()):
         assert sys.getswitchinterval() == pytest.approx(min(before, SWITCH_INTERVAL_S))
     assert sys.getswitchinterval() == pytest.approx(before)
+
+
+def test_served_connections_have_nagle_off():
+    """Each SSE chunk is a small write: with Nagle on it waits for the client's delayed ACK (~40 ms)."""
+    import socket
+
+    from kvgen.serve.server import bind
+
+    async def go():
+        seen = asyncio.get_running_loop().create_future()
+
+        class Proto(asyncio.Protocol):
+            def connection_made(self, transport):
+                sock = transport.get_extra_info("socket")
+                seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        listener = bind("127.0.0.1", 0)
+        server = await asyncio.get_running_loop().create_server(Proto, sock=listener)
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", listener.getsockname()[1])
+            assert await asyncio.wait_for(seen, 10) != 0
+            writer.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(go())
