@@ -87,7 +87,7 @@ def same_raw(a, b) -> bool:
 @pytest.mark.parametrize("kv, dtype, page", SCHEMES, ids=[s[0] for s in SCHEMES])
 def test_cold_pages_decode_equals_all_device_decode(kv, dtype, page):
     ref, c = make(kv, dtype, page)
-    tier, _ = make(kv, dtype, page, host_tokens=16 * page)
+    tier, _ = make(kv, dtype, page, host_tokens=16 * page, staging_tokens=8 * page)
     dt = c.dtype
     gen = torch.Generator().manual_seed(1)
     seqs = {"a": list(range(5 * page + 3)), "b": list(range(100, 100 + 3 * page + 1)), "c": [7] * (page + 2)}

@@ -130,7 +130,8 @@ class RuntimeMachine(RuleBasedStateMachine):
         # Small pools: steps run out of pages now and then, and pages are reused often.
         self.cache = load(self.c.plan, self.c.kernels, device=hz.device(), max_tokens=32 * self.c.page,
                           num_layers=self.c.layers, autotune=False, max_seqs=self.MAX_SEQS, zero=True,
-                          host_tokens=self.HOST_TOKENS)
+                          host_tokens=self.HOST_TOKENS,
+                          staging_tokens=self.HOST_TOKENS and self.HOST_TOKENS // 2)
         self.bm = self.cache.block_manager
         self.tokens: dict[int, list[int]] = {}
         self.history: list[list[int]] = [[]]

@@ -193,9 +193,10 @@ class KVCache(HostTierMixin):
     ``host_tier_bytes``): pages in host memory (pinned on CUDA) in the
     scheme's own format. :meth:`swap_out`/:meth:`swap_in` move whole
     sequences (preemption by swap); :meth:`make_cold` keeps a sequence's
-    oldest pages on the host, staged into a device ring of
-    ``staging_tokens`` (default: the host tier's size, at most one layer's
-    pool) one layer ahead of the attention that reads them; prefix-cache
+    oldest pages on the host, staged into a device ring of two slots of
+    ``staging_tokens`` each (extra device memory; default: a quarter of one
+    layer's pages, at most the host tier's size; a step's cold pages must
+    fit one slot) one layer ahead of the attention that reads them; prefix-cache
     pages the LRU evicts spill to the host and come back on a later hit
     (:meth:`add`). Without a host tier none of this costs anything.
 
@@ -588,6 +589,8 @@ class KVCache(HostTierMixin):
         """The cached K and V of one sequence as float32 ``[H, seq_len, D]`` (dequantized)."""
         pools = self._layer(layer)
         bm = self.block_manager
+        if self.host_tier is not None:
+            self.wait_host_tier()  # copies in flight may still write the pages read below
         n, table, nc = bm.seq_len(seq_id), bm.block_table(seq_id), bm.num_compressed(seq_id)
         P, H, D = self.page_size, self.num_kv_heads, self.head_dim
         if bm.host_pages(seq_id):  # pages on the host: read every page into a private pool, in order

@@ -43,8 +43,8 @@ class HostTierMixin:
         pages = -(-host_tokens // P)
         # A swapped-out sequence of a residual scheme keeps its tail and window pages as residual pages.
         residual = self.num_residual_pages if self.residual_tokens is not None else 0
-        if staging_tokens is None:
-            staging = min(pages, self.num_pages)
+        if staging_tokens is None:  # the ring is extra device memory: a quarter of one layer's pages
+            staging = min(pages, max(1, self.num_pages // 4))
         elif not isinstance(staging_tokens, int) or isinstance(staging_tokens, bool) or staging_tokens < 0:
             raise KvgenRuntimeError(f"staging_tokens must be an int >= 0, got {staging_tokens!r}")
         else:

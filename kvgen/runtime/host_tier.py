@@ -56,8 +56,9 @@ class HostPool:
                                ("residual", [x for x in ("rk", "rv") if x in device_layer], num_residual_pages)):
             for name in names:
                 t = device_layer[name]
-                self.tensors[pool][name] = torch.zeros((num_layers, n, *t.shape[1:]), dtype=t.dtype,
-                                                       pin_memory=pin)
+                shape = (num_layers, n, *t.shape[1:])  # pinned: not zero-filled (GBs); every page is written first
+                self.tensors[pool][name] = (torch.empty(shape, dtype=t.dtype, pin_memory=True) if pin
+                                            else torch.zeros(shape, dtype=t.dtype))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for p in self.tensors.values() for t in p.values())
