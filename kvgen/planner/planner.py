@@ -261,8 +261,9 @@ def plan_warnings(plan: Plan) -> list[str]:
         fix = (f"lower --concurrency to {plan.capacity_sequences}" if plan.capacity_sequences
                else "lower --context") + " or raise --tp"
         out.append(f"plan needs a host tier ({plan.host_tier_bytes / GiB:.1f} GiB of KV in host memory; GPU pages hold "
-                   f"{plan.capacity_sequences} of {plan.concurrency} sequences); kvgen's runtime does not swap to host "
-                   f"memory yet: {fix}")
+                   f"{plan.capacity_sequences} of {plan.concurrency} sequences): load the package with "
+                   f"host_tokens='plan' to give the runtime that tier, and expect the host-link cost above per "
+                   f"decode step; or {fix}")
     return out
 
 

@@ -16,7 +16,8 @@ _EXPORTS = {
     "COMPRESSED": "block_manager", "RESIDUAL": "block_manager", "AppendPlan": "block_manager",
     "BlockManager": "block_manager",
     "KVCache": "cache", "PagePool": "cache", "default_device": "cache", "load": "cache", "pool_sizes": "cache",
-    "KvgenRuntimeError": "errors", "OutOfPages": "errors", "UnknownSequence": "errors",
+    "KvgenRuntimeError": "errors", "OutOfPages": "errors", "UnknownSequence": "errors", "SwappedOut": "errors",
+    "HOST_COMPRESSED": "tiering", "HOST_RESIDUAL": "tiering", "TransferPlan": "tiering",
     "allocate_pool": "pools", "pool_bytes": "pools",
     "StepMetadata": "step",
 }

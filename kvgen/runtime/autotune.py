@@ -45,7 +45,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -55,6 +54,7 @@ from typing import Any
 
 import torch
 
+from .atomic_io import write_atomic
 from .env import autotune_mode, cache_dir, triton_interpret
 
 FORMAT = 2
@@ -443,16 +443,7 @@ class Autotuner:
                 entries[key] = entry
                 data = {"format": FORMAT, "kernel_hash": khash, "device": self.device_name,
                         "triton": self.triton_version, "entries": dict(sorted(entries.items()))}
-                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-                try:
-                    with os.fdopen(fd, "w", encoding="utf-8") as f:
-                        json.dump(data, f, indent=1, sort_keys=True)
-                        f.write("\n")
-                    os.replace(tmp, path)
-                except BaseException:
-                    if os.path.exists(tmp):
-                        os.unlink(tmp)
-                    raise
+                write_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
         except OSError as err:
             _warn_once(str(self.root()), f"kvgen autotune: cannot save tuned configs under {self.root()} "
                        f"({type(err).__name__}: {err}); they are kept in memory for this process only. "
