@@ -577,3 +577,16 @@ def test_generated_package_runs_without_kvgen(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["(3,", f"{HQ},", f"{D})", "True", "False"]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5])
+def test_step_metadata_sections_are_16_byte_aligned(batch):
+    """Triton compiles a variant per pointer alignment: every section the kernels read starts 16-byte aligned,
+    whatever the batch size and block-table width (else a new batch size could JIT-compile on a request's path)."""
+    cache = make_cache("int8", num_layers=1)
+    ids = list(range(batch))
+    for i in ids:
+        cache.add(i)
+    step = cache.plan_step(ids, [3 + 17 * i for i in ids])
+    for name in ("block_tables", "seq_lens", "num_compressed", "cu_seqlens_q"):
+        assert getattr(step, name).data_ptr() % 16 == 0, name

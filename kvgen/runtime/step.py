@@ -145,7 +145,10 @@ def build_step(index: int, bm: BlockManager, buffers: DeviceBuffers, seq_ids: Se
         flat.extend([0] * (max_pages - len(t)))
     offsets: dict[str, tuple[int, int]] = {"block_tables": (0, B * max_pages)}
 
-    def put(name: str, values: list[int]) -> None:
+    def put(name: str, values: list[int], align: int = 4) -> None:
+        # Sections start on 16-byte boundaries: Triton compiles a kernel variant per pointer alignment, so
+        # unaligned sections would make the batch size pick new variants (a JIT compile on a request's path).
+        flat.extend([0] * (-len(flat) % align))
         offsets[name] = (len(flat), len(values))
         flat.extend(values)
 
@@ -163,7 +166,7 @@ def build_step(index: int, bm: BlockManager, buffers: DeviceBuffers, seq_ids: Se
             t = flat[:B * max_pages]
             for (_, pos), at in zip(pairs, where):
                 t[at] = page_pool.ring_page(layer, pos)
-            put(f"layer_tables/{layer}", t)
+            put(f"layer_tables/{layer}", t, align=1 if layer else 4)  # one [layers, B, max_pages] block
     put("seq_lens", lens)
     put("num_compressed", ncomp)
     put("cu_seqlens_q", cu)
