@@ -39,18 +39,20 @@ class LLMEngine:
     -> logits`` (a :class:`ModelRunner`; tests may pass a stand-in).
     ``tokenizer``: a Hugging Face tokenizer, or None (then prompts are token
     ids and texts stay empty). ``eos_token_ids``: ids that end a completion
-    unless ``ignore_eos``.
+    unless ``ignore_eos``. ``preemption_mode``: ``"swap"`` (the default when
+    ``cache.host_tier`` exists) or ``"recompute"`` (see :mod:`.scheduler`).
     """
 
     def __init__(self, runner: Any, cache: Any, tokenizer: Any = None, *, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, eos_token_ids: Seq[int] = (), vocab_size: int | None = None) -> None:
+                 max_num_batched_tokens: int, eos_token_ids: Seq[int] = (), vocab_size: int | None = None,
+                 preemption_mode: str | None = None) -> None:
         self.runner = runner
         self.cache = cache
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens, preemption_mode)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -142,6 +144,10 @@ class LLMEngine:
                 rows.append(len(ids) - 1)
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
+        if sched.swapped:  # pages moved between the tiers while planning: no CUDA graph for this step
+            eager = getattr(self.runner, "eager_once", None)
+            if eager is not None:
+                eager()
         logits = self.runner.run(sched.step, ids, pos, rows)
         for seq, n in zip(sched.seqs, sched.num_new):
             seq.num_computed += n

@@ -16,7 +16,8 @@ page_quantize after each layer's write, over ``b`` static (src, dst) pairs:
 the step's conversions, padded with copies of its first one (converting
 the same page twice writes the same bytes). A step replays when it is a
 pure decode step in a single phase without copy-on-write copies (the first
-step after a fork has them); anything else runs eagerly through the
+step after a fork has them) and without cold pages (a host tier's pages
+staged inside the layer loop); anything else runs eagerly through the
 runtime (the same model code). Kernel configs are the kernels' shape
 defaults (graphs fix them at capture).
 """
@@ -105,9 +106,10 @@ class DecodeGraphs:
         return attend
 
     def can_run(self, step: Any) -> bool:
-        return (step.is_decode and step.batch <= self.max_batch and step.num_copies == 0
-                and (step.num_conversions == 0 or self.residual) and step.num_conversions <= step.batch
-                and len(step.phases) == 1
+        # getattr: a package compiled before the host tier existed ships a runtime without ``cold``
+        return (step.is_decode and getattr(step, "cold", None) is None and step.batch <= self.max_batch
+                and step.num_copies == 0 and (step.num_conversions == 0 or self.residual)
+                and step.num_conversions <= step.batch and len(step.phases) == 1
                 and step.max_pages <= self.max_pages)
 
     def run(self, step: Any, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,11 @@ class ModelRunner:
         self.device = cache.device
         self.graph_steps = 0
         self.eager_steps = 0
+        self._eager_next = False
+
+    def eager_once(self) -> None:
+        """Run the next step eagerly (the engine calls it when pages moved between the tiers just before)."""
+        self._eager_next = True
 
     def _attend(self, step: Any):
         cache = self.cache
@@ -33,7 +38,8 @@ class ModelRunner:
         """float32 logits ``[len(sample_rows), vocab]`` of the step's rows ``sample_rows`` (None if none)."""
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        if self.graphs is not None and self.graphs.can_run(step):
+        eager, self._eager_next = self._eager_next, False
+        if self.graphs is not None and not eager and self.graphs.can_run(step):
             hidden = self.graphs.run(step, ids, pos)
             self.graph_steps += 1
         else:

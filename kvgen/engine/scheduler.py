@@ -11,12 +11,27 @@ Every step (vLLM v1 style, FIFO):
    leading tokens are already stored, and only the rest is fed.
 3. ``cache.plan_step`` reserves every slot at once. ``OutOfPages`` changes
    nothing; the scheduler then sends back the sequences it just admitted,
-   newest first, and after them preempts the newest running sequence
-   (recompute: free its pages, put it at the front of the queue with its
-   generated tokens) and tries again.
+   newest first, and after them preempts the newest running sequence and
+   tries again.
 
-The cache holds exactly the running sequences; finishing or aborting one
-frees it.
+Preemption (``preemption_mode``):
+
+- ``"recompute"``: free the victim's pages and put it at the front of the
+  queue with its generated tokens; it is fed again when readmitted (the
+  prefix cache may still hold a part).
+- ``"swap"`` (the default when the cache has a host tier): ``cache.swap_out``
+  moves the victim's pages to the host tier; it keeps its computed tokens,
+  waits at the front of the queue as ``SWAPPED``, and is readmitted by
+  ``cache.swap_in`` (left waiting while the device lacks pages). The
+  victim's whole fork group (the running completions of its request) goes
+  in one call, so pages they share are copied once and shared again after
+  the swap-in -- unless that group is everything running, then the victim
+  alone (the runtime copies shared pages per call: correct, more memory).
+  When the host tier is full, the victim is recomputed instead.
+
+The cache holds the running and the swapped sequences; finishing or aborting
+one frees it (a swapped one's host pages too). A swapped sequence is never
+named in a step.
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import EngineError
 from .sequence import Sequence, Status
 
 
@@ -53,7 +69,8 @@ class ScheduledStep:
 
     ``sample[i]``: the step reaches the end of ``seqs[i]``'s tokens, so its
     last row gives the next token. ``preempted``: sequences sent back to the
-    queue while planning this step.
+    queue while planning this step. ``swapped``: a swap between the tiers
+    happened while planning it (the runner then runs the step eagerly).
     """
 
     seqs: list[Sequence]
@@ -61,21 +78,38 @@ class ScheduledStep:
     step: Any
     sample: list[bool]
     preempted: list[Sequence] = field(default_factory=list)
+    swapped: bool = False
+
+
+PREEMPTION_MODES = ("swap", "recompute")
 
 
 class Scheduler:
-    """FIFO continuous batching with chunked prefill, prefix reuse and preemption by recompute."""
+    """FIFO continuous batching with chunked prefill, prefix reuse and preemption by swap or recompute.
 
-    def __init__(self, cache: Any, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    ``preemption_mode``: ``"swap"`` (needs ``cache.host_tier``; the default
+    when there is one) or ``"recompute"`` (the default without). Counters:
+    ``num_preemptions`` (sequences preempted, either way), ``num_swapped_out``
+    / ``num_swapped_in`` (sequences moved by successful swap calls),
+    ``num_swap_failures`` (swap-outs the full host tier refused: recomputed).
+    """
+
+    def __init__(self, cache: Any, max_num_seqs: int, max_num_batched_tokens: int,
+                 preemption_mode: str | None = None) -> None:
         self._out_of_pages = out_of_pages_types(cache)
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = resolve_preemption_mode(preemption_mode, cache)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swapped_out = 0
+        self.num_swapped_in = 0
+        self.num_swap_failures = 0
         self.truncated: list[Sequence] = []
         """Lone sequences the cache could not hold any more, removed; the engine finishes them (``length``)."""
+        self._swapped_now = False
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -92,12 +126,14 @@ class Scheduler:
         self.running[i:i] = children
 
     def remove(self, seq: Sequence) -> None:
-        """Take ``seq`` out (finished or aborted), freeing its pages if it holds any."""
+        """Take ``seq`` out (finished or aborted), freeing its pages (device or host) if it holds any."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self.cache.free(seq.seq_id)
-        elif seq.status is Status.WAITING and seq in self.waiting:
+        elif seq.status in (Status.WAITING, Status.SWAPPED) and seq in self.waiting:
             self.waiting.remove(seq)
+            if seq.status is Status.SWAPPED:
+                self.cache.free(seq.seq_id)
         seq.status = Status.FINISHED
 
     def _slots(self) -> int:
@@ -111,17 +147,55 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
 
+    def _swapped_group(self, seq: Sequence) -> list[Sequence]:
+        """The swapped sequences of ``seq``'s request, in queue order (swapped in together, as swapped out)."""
+        return [s for s in self.waiting if s.status is Status.SWAPPED and s.request is seq.request]
+
+    def _swap_in(self, group: list[Sequence]) -> bool:
+        """Bring ``group`` back to the device and make it running; False (nothing changed) without room."""
+        try:
+            self.cache.swap_in([s.seq_id for s in group])
+        except self._out_of_pages:
+            return False
+        for s in group:
+            self.waiting.remove(s)
+            s.status = Status.RUNNING
+            self.running.append(s)
+        self.num_swapped_in += len(group)
+        self._swapped_now = True
+        return True
+
     def _send_back(self, seq: Sequence) -> None:
+        """Recompute: free ``seq``'s pages, queue it at the front with its tokens."""
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
         seq.num_computed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
+    def _preempt(self, group: list[Sequence]) -> None:
+        """Send running ``group`` to the front of the queue: swapped out in one call, else recomputed."""
+        if self.preemption_mode == "swap":
+            try:
+                self.cache.swap_out([s.seq_id for s in group])
+            except self._out_of_pages:
+                self.num_swap_failures += 1  # the host tier is full: recompute instead
+            else:
+                for s in reversed(group):
+                    self.running.remove(s)
+                    s.status = Status.SWAPPED
+                    self.waiting.appendleft(s)
+                self.num_swapped_out += len(group)
+                self._swapped_now = True
+                return
+        for s in reversed(group):
+            self._send_back(s)
+
     def schedule(self) -> ScheduledStep | None:
         """Plan the next step (None when nothing is waiting or running)."""
         preempted: list[Sequence] = []
         admit_limit = None
+        self._swapped_now = False
         while True:
             if not self.running and not self.waiting:
                 return None
@@ -135,40 +209,75 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n
-            admitted: list[Sequence] = []
+            admitted: list[list[Sequence]] = []  # units: one new sequence, or one swapped-in group
+            swapped_in: list[bool] = []
             slots = self._slots()
-            while (self.waiting and budget > 0 and (admit_limit is None or len(admitted) < admit_limit)
-                   and slots + self.waiting[0].reserve <= self.max_num_seqs):
-                seq = self.waiting.popleft()
-                self._admit(seq)
-                slots += seq.reserve
-                n = min(len(seq.tokens) - seq.num_computed, budget)
-                seqs.append(seq)
-                counts.append(n)
-                budget -= n
-                admitted.append(seq)
+            while self.waiting and budget > 0 and (admit_limit is None or len(admitted) < admit_limit):
+                head = self.waiting[0]
+                unit = self._swapped_group(head) if head.status is Status.SWAPPED else [head]
+                if slots + sum(s.reserve for s in unit) > self.max_num_seqs:
+                    break
+                swapped_in.append(head.status is Status.SWAPPED)
+                if head.status is Status.SWAPPED:
+                    if not self._swap_in(unit):
+                        swapped_in.pop()
+                        break  # the device lacks pages: it waits (FIFO: nobody overtakes it)
+                else:
+                    self.waiting.popleft()
+                    self._admit(head)
+                admitted.append(unit)
+                for seq in unit:
+                    slots += seq.reserve
+                    n = min(len(seq.tokens) - seq.num_computed, budget)
+                    if n > 0:
+                        seqs.append(seq)
+                        counts.append(n)
+                        budget -= n
             if not seqs:
                 return None
             try:
                 toks = [s.tokens[s.num_computed:s.num_computed + n] for s, n in zip(seqs, counts)]
                 step = self.cache.plan_step([s.seq_id for s in seqs], counts, token_ids=toks)
             except self._out_of_pages:
-                if admitted and len(self.running) == len(admitted) == 1:
-                    self.remove(admitted[0])  # alone and still too big: finish it rather than loop forever
-                    self.truncated.append(admitted[0])
+                lone = len(admitted) == 1 and len(self.running) == len(admitted[0])
+                if lone and len(admitted[0]) == 1:
+                    self.remove(admitted[0][0])  # alone and still too big: finish it rather than loop forever
+                    self.truncated.append(admitted[0][0])
+                elif lone:
+                    admit_limit = 0  # a swapped-in fork group alone: keep it; preempt within it next
                 elif admitted:
                     admit_limit = len(admitted) - 1
-                    for seq in reversed(admitted):
-                        self._send_back(seq)
+                    for unit, was_swapped in reversed(list(zip(admitted, swapped_in))):
+                        if was_swapped:
+                            self._preempt(unit)  # swapped in just now: back to the host (or recompute)
+                        else:
+                            for seq in reversed(unit):
+                                self._send_back(seq)
                 elif len(self.running) > 1:
                     victim = self.running[-1]
-                    self._send_back(victim)
-                    preempted.append(victim)
-                    self.num_preemptions += 1
+                    group = [s for s in self.running if s.request is victim.request]
+                    if len(group) == len(self.running):
+                        group = [victim]  # swapping everything out would leave nothing to run
+                    self._preempt(group)
+                    preempted.extend(group)
+                    self.num_preemptions += len(group)
                 else:
                     victim = self.running[0]
                     self.remove(victim)
                     self.truncated.append(victim)
                 continue
             sample = [s.num_computed + n == len(s.tokens) for s, n in zip(seqs, counts)]
-            return ScheduledStep(seqs, counts, step, sample, preempted)
+            return ScheduledStep(seqs, counts, step, sample, preempted, self._swapped_now)
+
+
+def resolve_preemption_mode(mode: str | None, cache: Any) -> str:
+    """``mode``, or the default: ``"swap"`` when ``cache`` has a host tier, else ``"recompute"``."""
+    has_tier = getattr(cache, "host_tier", None) is not None
+    if mode is None:
+        return "swap" if has_tier else "recompute"
+    if mode not in PREEMPTION_MODES:
+        raise EngineError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {mode!r}")
+    if mode == "swap" and not has_tier:
+        raise EngineError("preemption_mode='swap' needs a host tier; pass host_tokens=N (or 'plan') too, "
+                          "or use preemption_mode='recompute'")
+    return mode

@@ -6,7 +6,9 @@ feeds ``tokens[num_computed : num_computed + n]``; when that reaches the
 end of the list, the step's last row yields the logits of the next token.
 The same rule covers a prompt chunk, a whole prompt, a decode token, and a
 recompute after preemption (the sequence is freed, ``num_computed`` drops
-to what the prefix cache still holds, and the tokens are fed again).
+to what the prefix cache still holds, and the tokens are fed again). A
+sequence preempted by swap keeps ``num_computed``: its pages wait in the
+host tier.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .sampling_params import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # waiting with its pages in the host tier (preempted by swap)
     FINISHED = "finished"
 
 

@@ -17,8 +17,11 @@ REPO = Path(__file__).resolve().parents[2]
 STORIES = REPO / "tests" / "assets" / "models" / "stories260K"
 
 
-def stories_cache(max_tokens: int, kv: str = "fp32", max_seqs: int = 4):
-    """A KVCache planned for stories260K (page 16) with about ``max_tokens`` tokens of pages."""
+def stories_cache(max_tokens: int, kv: str = "fp32", max_seqs: int = 4, **load_kwargs):
+    """A KVCache planned for stories260K (page 16) with about ``max_tokens`` tokens of pages.
+
+    ``load_kwargs`` go to the runtime's load (``host_tokens=N`` for a host tier).
+    """
     from transformers import AutoConfig
 
     from kvgen.integrations.transformers import compile_for_model, plan_for_model
@@ -26,7 +29,8 @@ def stories_cache(max_tokens: int, kv: str = "fp32", max_seqs: int = 4):
     shim = types.SimpleNamespace(config=AutoConfig.from_pretrained(STORIES), dtype=torch.float32,
                                  device=torch.device("cpu"))
     plan = plan_for_model(shim, kv, device="cpu")
-    return compile_for_model(plan).load(device="cpu", max_tokens=max_tokens, autotune=False, max_seqs=max_seqs)
+    return compile_for_model(plan).load(device="cpu", max_tokens=max_tokens, autotune=False, max_seqs=max_seqs,
+                                        **load_kwargs)
 
 
 class TableRunner:
@@ -77,7 +81,9 @@ def fake_engine(cache, runner=None, **kw):
 
 
 def all_free(cache) -> bool:
+    """No sequence left, and every page of every pool (the host tier's too) free or evictable."""
     bm = cache.block_manager
-    pools = [("compressed", cache.num_pages)] + ([("residual", cache.num_residual_pages)]
-                                                 if cache.num_residual_pages else [])
-    return not cache.sequences() and all(bm.num_free_pages(p) == n for p, n in pools)
+    if getattr(cache, "host_tier", None) is not None:
+        cache.wait_host_tier()  # pages a copy to the host still reads count as free once it ran
+    pools = ["compressed", "residual", "host_compressed", "host_residual"]
+    return not cache.sequences() and all(bm.num_free_pages(p) == bm._pool(p).size for p in pools)
