@@ -42,7 +42,6 @@ tests and issue 13 item 12.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -213,17 +212,17 @@ def warm_up(cache: Any, *, force: bool = False, only: Sequence[Scenario] | None 
     interpreter, or ``force``. Never changes ``cache``: each scratch cache has
     its own pools, block manager and a non-persisting autotuner.
 
-    ``workers`` threads (default: up to 8 on CUDA, one per scenario at most;
-    1 elsewhere) each run their share of the scenarios on their own scratch
-    cache, so Triton's compiles -- its ptxas runs and whatever of its
-    compiler releases the GIL -- overlap.
+    ``workers`` threads (default 1) each run their share of the scenarios on
+    their own scratch cache, so Triton's compiles -- its ptxas runs and
+    whatever of its compiler releases the GIL -- overlap. One thread is the
+    default until concurrent Triton compiles have been checked on the GPU.
     """
     if not force and (cache.device.type != "cuda" or triton_interpret()):
         return WarmupReport(skipped="no compile to warm up: kernels run on the CPU interpreter")
     start = time.perf_counter()
     todo = list(scenarios(cache) if only is None else only)
     if workers is None:
-        workers = min(8, os.cpu_count() or 1) if cache.device.type == "cuda" else 1
+        workers = 1
     if triton_interpret():  # the interpreter patches triton.language globally: one thread only
         workers = 1
     workers = max(1, min(int(workers), len(todo)))
