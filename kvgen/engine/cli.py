@@ -32,9 +32,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: one process per GPU (0..N-1), or per rank on the CPU (default 1)")
+    p.add_argument("--host-tokens", type=host_tokens_arg, default=None,
+                   help="KV tokens in a host-memory tier ('plan': the plan's host tier); preempted sequences swap "
+                        "there instead of being recomputed")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     if not any(a.dest == "json" for a in p._actions):
         p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+
+
+def host_tokens_arg(text: str) -> int | str:
+    """``--host-tokens``: a positive int, or ``plan``."""
+    if text == "plan":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of tokens or 'plan', got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, kv=args.kv, dtype=args.dtype, max_model_len=args.max_model_len,
               max_tokens=args.cache_tokens, device=args.device, enforce_eager=args.enforce_eager, max_num_seqs=1,
-              tp=getattr(args, "tp", 1))
+              tp=getattr(args, "tp", 1), host_tokens=getattr(args, "host_tokens", None))
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)

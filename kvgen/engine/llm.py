@@ -21,8 +21,9 @@ class LLM:
     ``max_model_len``, ``max_tokens`` (KV capacity in tokens),
     ``max_num_batched_tokens``, ``device``, ``enforce_eager`` (no CUDA
     graphs), ``tp`` (tensor-parallel ranks: processes on GPUs 0..tp-1, or
-    on the CPU); see :func:`kvgen.engine.loader.build_engine`. ``llm.engine``
-    is the :class:`LLMEngine` (``add_request``/``step``/``abort_request``).
+    on the CPU), ``host_tokens`` (a host-memory KV tier: preemption by swap),
+    ``preemption_mode``; see :func:`kvgen.engine.loader.build_engine`.
+    ``llm.engine`` is the :class:`LLMEngine` (``add_request``/``step``/``abort_request``).
     ``close()`` (or ``with LLM(...) as llm``) stops tensor-parallel workers
     at once; otherwise they stop when the LLM is collected or at exit.
     """

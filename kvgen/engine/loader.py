@@ -77,7 +77,8 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
                  max_model_len: int | None = None, max_tokens: int | None = None,
                  max_num_batched_tokens: int | None = None, page_size: int | None = None, target: str | None = None,
                  enforce_eager: bool = False, config: dict[str, Any] | None = None, seed: int = 0,
-                 autotune: bool = True, verbose: bool = True, tp: int = 1) -> LLMEngine:
+                 autotune: bool = True, verbose: bool = True, tp: int = 1, host_tokens: int | str | None = None,
+                 staging_tokens: int | None = None, preemption_mode: str | None = None) -> LLMEngine:
     """An engine for the model folder ``model`` (or, with ``config=`` a config.json dict, random weights).
 
     ``kv``: the KV-cache scheme (``bf16``, ``int8``, ``int4``, ... with
@@ -90,6 +91,11 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     ``autotune``: tune eager kernel configs on the GPU (graphs use the kernels' shape defaults).
     ``tp``: tensor-parallel ranks (rank r on cuda:r, NCCL; or gloo processes
     on the CPU); ``engine.close()`` stops them (also at exit).
+    ``host_tokens``: tokens of KV pages in a host tier (pinned host memory on
+    a GPU; ``"plan"``: the plan's ``host_tier_bytes``), ``staging_tokens``
+    its device staging ring (see the runtime's ``load``). ``preemption_mode``:
+    ``"swap"`` (default with a host tier: preempted sequences' pages go to the
+    host and come back) or ``"recompute"``.
     """
     from kvgen.integrations.transformers import compile_for_model, plan_for_model
     from kvgen.runtime import default_device
@@ -125,8 +131,9 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
             max_tokens = min(plan.capacity_tokens, max((max_model_len or limit) * (max_num_seqs or 4), 16384))
     autotune = autotune and dev.type == "cuda"
     cache_seqs = max_num_seqs or 4
+    tier = host_tier_args(host_tokens, staging_tokens, preemption_mode)
     cache = package.load(device=dev, max_tokens=max_tokens, autotune=autotune, max_seqs=cache_seqs, tp_rank=0,
-                         tp_size=tp)
+                         tp_size=tp, **tier)
     capacity = cache.capacity_tokens
     if max_model_len is None:
         max_model_len = min(limit, capacity)
@@ -150,14 +157,16 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
         print(f"kvgen: {plan.model} kv={plan.scheme} dtype={str(torch_dtype).replace('torch.', '')} "
               f"page={cache.page_size} capacity={capacity} tokens ({capacity // max_model_len} x {max_model_len}-token "
               f"sequences) max_num_seqs={max_num_seqs} max_num_batched_tokens={max_num_batched_tokens} "
-              f"device={dev} graphs={'on' if use_graphs else 'off'}{f' tp={tp}' if tp > 1 else ''}", file=sys.stderr)
+              f"device={dev} graphs={'on' if use_graphs else 'off'}{f' tp={tp}' if tp > 1 else ''}"
+              f"{_host_summary(cache)}", file=sys.stderr)
     if tp > 1:
         from .parallel import RankSpec, start_ranks
 
         spec = RankSpec(world=tp, store="", backend="nccl" if dev.type == "cuda" else "gloo", device_type=dev.type,
                         cfg=cfg, plan=plan, folder=None if folder is None else str(folder), seed=seed,
                         dtype=torch_dtype, max_tokens=max_tokens, cache_seqs=cache_seqs, autotune=autotune,
-                        max_model_len=max_model_len, max_num_seqs=max_num_seqs, use_graphs=use_graphs)
+                        max_model_len=max_model_len, max_num_seqs=max_num_seqs, use_graphs=use_graphs,
+                        host_tier=tier)
         runner, cache = start_ranks(spec, cache, verbose)
     else:
         net = build_model(cfg, max_model_len, dev, torch_dtype)
@@ -172,11 +181,34 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
         runner = ModelRunner(net, cache, graphs)
     engine = LLMEngine(runner, cache, tokenizer, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       eos_token_ids=_eos_ids(folder, cfg, tokenizer), vocab_size=cfg.vocab_size)
+                       eos_token_ids=_eos_ids(folder, cfg, tokenizer), vocab_size=cfg.vocab_size,
+                       preemption_mode=preemption_mode)
     engine.plan = plan
     engine.model_config = cfg
     engine.tp = tp
     return engine
+
+
+def host_tier_args(host_tokens: Any, staging_tokens: Any, preemption_mode: Any) -> dict[str, Any]:
+    """The runtime ``load`` keywords of a host tier (none without one); the engine's own checks first."""
+    if host_tokens is None:
+        if staging_tokens is not None:
+            raise EngineError("staging_tokens needs a host tier; pass host_tokens=N too")
+        if preemption_mode == "swap":
+            raise EngineError("preemption_mode='swap' needs a host tier; pass host_tokens=N (or 'plan') too")
+        return {}
+    tier: dict[str, Any] = {"host_tokens": host_tokens}
+    if staging_tokens is not None:
+        tier["staging_tokens"] = staging_tokens
+    return tier
+
+
+def _host_summary(cache: Any) -> str:
+    tier = getattr(cache, "host_tier", None)
+    if tier is None:
+        return ""
+    host = cache.block_manager.num_free_pages("host_compressed") * cache.page_size
+    return f" host={host} tokens"
 
 
 def check_tp(tp: Any, device: torch.device) -> torch.device:

@@ -7,11 +7,14 @@ the weights and their KV heads (see :mod:`kvgen.engine.shard`).
 
 Each step rank 0 sends every worker one message (pickled, over a pipe): the
 cache calls the scheduler and the engine made since the previous step
-(``add``/``free``/``fork``/``plan_step``..., in order, each marked with the
-exception it raised, if any), the step's token ids and positions, and a
-fingerprint of its StepMetadata. A worker replays the calls on its own
-KVCache; the BlockManager is deterministic, so it reaches the same page
-tables (the fingerprint checks it), and then runs its share of the model.
+(``add``/``free``/``fork``/``swap_out``/``swap_in``/``plan_step``..., in
+order, each marked with the exception it raised, if any), the step's token
+ids and positions, a fingerprint of its StepMetadata, and whether the step
+must run eagerly (pages moved between the tiers just before it: every rank
+decides alike, so graph replays and their all-reduces stay in step). A
+worker replays the calls on its own KVCache; the BlockManager is
+deterministic, so it reaches the same page tables (the fingerprint checks
+it), and then runs its share of the model.
 The only tensors crossing ranks are the two all-reduces per layer
 (torch.distributed: gloo on the CPU, NCCL on GPUs). Sampling happens on
 rank 0 alone; the drawn tokens reach the workers as the next step's token
@@ -71,21 +74,22 @@ class RankSpec:
     max_model_len: int
     max_num_seqs: int
     use_graphs: bool
+    host_tier: dict | None = None  # the runtime load's host_tokens/staging_tokens ({} or None: no host tier)
 
 
 def step_fingerprint(step: Any) -> tuple:
     """Host fields of a StepMetadata that two ranks with the same page tables agree on."""
     return (step.index, step.batch, step.num_new, step.seq_lens_host, step.max_pages, step.num_copies,
-            step.num_conversions, len(step.phases))
+            step.num_conversions, len(step.phases), getattr(step, "cold", None) is not None)
 
 
 class RecordingCache:
     """Rank 0's KVCache as the scheduler and engine see it: every call goes through, and is recorded.
 
     Every method called through it is recorded (``add``/``free``/``fork``/
-    ``plan_step`` today; a later page-changing method is covered without a
-    change here) except the pure queries in :data:`QUERIES`; attributes pass
-    through. The runner attends on the real cache, so per-layer kernel
+    ``swap_out``/``swap_in``/``make_cold``/``wait_host_tier``/``plan_step``
+    today; a later page-changing method is covered without a change here)
+    except the pure queries in :data:`QUERIES`; attributes pass through. The runner attends on the real cache, so per-layer kernel
     calls never pass here. ``__wrapped__`` is the real cache (the scheduler
     finds the runtime's error classes through it). :meth:`take` hands out
     the calls since the last take: ``(pickled (name, args, kwargs),
@@ -304,7 +308,7 @@ def load_cache(spec: RankSpec, rank: int) -> Any:
 
     package = compile_for_model(spec.plan)  # rank 0 compiled it already: an import
     return package.load(device=rank_device(spec, rank), max_tokens=spec.max_tokens, autotune=spec.autotune,
-                        max_seqs=spec.cache_seqs, tp_rank=rank, tp_size=spec.world)
+                        max_seqs=spec.cache_seqs, tp_rank=rank, tp_size=spec.world, **(spec.host_tier or {}))
 
 
 def rank_model(spec: RankSpec, rank: int, cache: Any) -> Any:
@@ -367,12 +371,20 @@ class TPRunner:
         self.runner, self.cache, self.workers = runner, cache, workers
         self.world = workers.world
         self._finalizer = weakref.finalize(self, _shutdown, workers)
+        self._eager_next = False
 
     def __getattr__(self, name: str) -> Any:  # graph_steps, eager_steps, model, graphs, ...
         return getattr(self.runner, name)
 
+    def eager_once(self) -> None:
+        """Run the next step eagerly on every rank (see ModelRunner.eager_once)."""
+        self._eager_next = True
+
     def run(self, step: Any, input_ids: list[int], positions: list[int], sample_rows: list[int]) -> Any:
-        self.workers.broadcast(("step", self.cache.take(), input_ids, positions, step_fingerprint(step)))
+        eager, self._eager_next = self._eager_next, False
+        self.workers.broadcast(("step", self.cache.take(), input_ids, positions, step_fingerprint(step), eager))
+        if eager:
+            self.runner.eager_once()
         try:
             return self.runner.run(step, input_ids, positions, sample_rows)
         except RuntimeError as e:  # a collective failed: name the rank that died, if one did
@@ -445,10 +457,12 @@ def worker_main(rank: int, down: Connection, up: Connection) -> int:
             if kind == "info":
                 _send(up, describe(rank, cache, runner))
                 continue
-            _, _, ids, pos, check = msg
+            _, _, ids, pos, check, eager = msg
             if step is None or step_fingerprint(step) != check:
                 raise EngineError(f"tensor-parallel rank {rank} planned a different step than rank 0: "
                                   f"{None if step is None else step_fingerprint(step)} != {check}")
+            if eager:
+                runner.eager_once()
             runner.run(step, ids, pos, [])
     finally:
         if dist.is_initialized():

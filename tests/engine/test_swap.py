@@ -13,7 +13,7 @@ import random
 import pytest
 
 from kvgen.engine import EngineError, SamplingParams
-from kvgen.engine.parallel import RecordingCache
+from kvgen.engine.parallel import RecordingCache, replay
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.sequence import Status
 
@@ -118,3 +118,94 @@ def test_preemption_mode_checks():
     tiered = stories_cache(160, host_tokens=256)
     assert Scheduler(tiered, 4, 64).preemption_mode == "swap"
     assert Scheduler(tiered, 4, 64, "recompute").preemption_mode == "recompute"
+
+
+def test_llm_with_a_host_tier_swaps_and_gives_the_same_greedy_tokens():
+    """stories260K (interpreter): 4 device pages, a host tier; the tokens equal an unpressured run's."""
+    from kvgen.engine.llm import LLM
+
+    prompts = ["Once upon a time", "The sun", "Lily"]
+    params = [SamplingParams(temperature=0, max_tokens=10, min_tokens=10, n=2 if i == 1 else 1) for i in range(3)]
+    big = LLM(str(STORIES), kv="fp32", max_tokens=1024, max_model_len=64, max_num_seqs=4, verbose=False)
+    want = [[c.token_ids for c in o.outputs] for o in big.generate(prompts, params)]
+    assert big.engine.scheduler.num_preemptions == 0
+    small = LLM(str(STORIES), kv="fp32", max_tokens=48, max_model_len=48, max_num_seqs=4, host_tokens=256,
+                verbose=False)
+    got = [[c.token_ids for c in o.outputs] for o in small.generate(prompts, params)]
+    sched = small.engine.scheduler
+    assert got == want and len(got[1]) == 2
+    assert sched.preemption_mode == "swap" and sched.num_swapped_out > 0 and sched.num_swapped_in > 0
+    assert all_free(small.engine.cache)
+
+
+def test_runner_runs_eagerly_right_after_a_swap_and_graphs_refuse_cold_steps():
+    import types
+
+    import torch
+
+    from kvgen.engine.graphs import DecodeGraphs
+    from kvgen.engine.runner import ModelRunner
+
+    class Graphs:
+        def __init__(self):
+            self.replays = 0
+
+        def can_run(self, step):
+            return True
+
+        def run(self, step, ids, pos):
+            self.replays += 1
+            return torch.zeros(len(ids), 2)
+
+    model = lambda ids, pos, attend: torch.zeros(len(ids), 2)  # noqa: E731
+    graphs = Graphs()
+    runner = ModelRunner(model, types.SimpleNamespace(device=torch.device("cpu")), graphs)
+    step = types.SimpleNamespace(is_decode=True)
+    runner.run(step, [1], [0], [])
+    runner.eager_once()
+    runner.run(step, [1], [1], [])
+    runner.run(step, [1], [2], [])
+    assert (graphs.replays, runner.graph_steps, runner.eager_steps) == (2, 2, 1)
+    # a step with cold pages (staged inside the layer loop) never replays a graph
+    fake = types.SimpleNamespace(is_decode=True, batch=1, num_copies=0, num_conversions=0, phases=[0], max_pages=1,
+                                 cold=None)
+    dg = types.SimpleNamespace(max_batch=4, residual=False, max_pages=4)
+    assert DecodeGraphs.can_run(dg, fake)
+    fake.cold = object()
+    assert not DecodeGraphs.can_run(dg, fake)
+
+
+def test_a_mirror_cache_replays_swaps_identically():
+    """tp's replay: a worker's cache (with its own host tier) follows rank 0's swaps step for step."""
+    from .test_tensor_parallel_units import ReplayingRunner
+
+    main = stories_cache(160, max_seqs=8, host_tokens=1024)
+    mirror = stories_cache(160, max_seqs=8, host_tokens=1024)
+    runner = ReplayingRunner(mirror)
+    recorder = runner.recorder = RecordingCache(main)
+    eng = fake_engine(recorder, runner)
+    prompts, params = workload(4)
+    ids = [eng.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+    eng.abort_request(ids[-1])
+    done = run_all(eng)
+    for i, p, sp in zip(ids[:-1], prompts, params):
+        assert [c.token_ids for c in done[i].outputs] == [runner.greedy(p, 30)] * sp.n
+    assert runner.calls.get(("swap_out", False), 0) > 0 and runner.calls.get(("swap_in", False), 0) > 0
+    assert runner.compared > 0
+    replay(mirror, recorder.take())  # the frees after the last step
+    assert all_free(main) and all_free(mirror)
+
+
+def test_cli_host_tokens_flag():
+    import argparse
+
+    from kvgen.engine import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_args(p)
+    base = ["--model", "m", "--prompt", "x"]
+    assert p.parse_args(base).host_tokens is None
+    assert p.parse_args(base + ["--host-tokens", "4096"]).host_tokens == 4096
+    assert p.parse_args(base + ["--host-tokens", "plan"]).host_tokens == "plan"
+    with pytest.raises(SystemExit):
+        p.parse_args(base + ["--host-tokens", "-3"])
