@@ -416,6 +416,9 @@ def describe(rank: int, cache: Any, runner: Any) -> dict[str, Any]:
     """What a rank holds: its heads, its free pages, its sequences, the steps it ran."""
     bm = cache.block_manager
     pools = {"compressed": cache.num_pages, "residual": cache.num_residual_pages}
+    if getattr(cache, "host_tier", None) is not None:  # the host tier's pools, counted alike
+        cache.wait_host_tier()
+        pools.update({p: bm._pool(p).size for p in ("host_compressed", "host_residual")})
     return {"rank": rank, "kv_heads": list(cache.kv_head_range()), "q_heads": list(cache.q_head_range()),
             "num_kv_heads": cache.num_kv_heads, "free_pages": {p: bm.num_free_pages(p) for p, n in pools.items() if n},
             "pages": {p: n for p, n in pools.items() if n}, "sequences": len(cache.sequences()),

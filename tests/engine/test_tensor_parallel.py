@@ -164,3 +164,16 @@ def test_a_failure_while_loading_stops_every_worker(stories, tmp_path, monkeypat
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+def test_tp2_with_a_host_tier_swaps_on_every_rank_and_generates_tp1_tokens(stories, tp1):
+    """Preemption by swap at tp=2: the worker replays rank 0's swap_out/swap_in on its own host tier."""
+    with LLM(stories, tp=2, host_tokens=256, **SMALL) as llm:
+        eng = llm.engine
+        outs = token_ids(llm.generate(PROMPTS, params()))
+        assert outs == tp1
+        sched = eng.scheduler
+        assert sched.preemption_mode == "swap" and sched.num_swapped_out > 0 and sched.num_swapped_in > 0
+        info = eng.runner.rank_info()
+        assert all(r["sequences"] == 0 and r["free_pages"] == r["pages"] for r in info)
+        assert all(r["pages"].get("host_compressed", 0) > 0 for r in info)  # every rank's host tier counted
