@@ -81,3 +81,21 @@ def test_stories_fp32_on_gpu_equals_hf():
             ref = hf.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
         assert got == [ref[0, ids.shape[1]:].tolist()] * 2
     assert eng.runner.graph_steps > 0
+
+
+@pytest.mark.parametrize("kv", ["bf16", "int4"])
+def test_swap_preemption_with_graphs_equals_an_unpressured_run(kv):
+    """A host tier (pinned memory, side-stream copies) under a tiny device budget: graphs on, same tokens."""
+    params = SamplingParams(temperature=0, max_tokens=48, min_tokens=48, n=2)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1024) for _ in range(rng.randint(8, 60))] for _ in range(8)]
+    big = build_engine(config=TINY, kv=kv, device="cuda", max_num_seqs=16, max_tokens=16384, autotune=False,
+                       verbose=False)
+    want = run(big, prompts, params)
+    small = build_engine(config=TINY, kv=kv, device="cuda", max_num_seqs=16, max_tokens=512, max_model_len=128,
+                         host_tokens=8192, autotune=False, verbose=False)
+    got = run(small, prompts, params)
+    sched = small.scheduler
+    assert got == want
+    assert sched.num_swapped_out > 0 and sched.num_swapped_in > 0 and small.runner.graph_steps > 0
+    assert small.runner.eager_steps > 0 and all_free(small.cache)
