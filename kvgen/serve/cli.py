@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvgen.engine.cli import host_tokens_arg
 from kvgen.errors import KvgenError
 
 HELP = "serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)"
@@ -31,6 +32,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in a batch at most")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: one process per GPU (default 1)")
+    p.add_argument("--host-tokens", type=host_tokens_arg, default=None,
+                   help="KV tokens in a host-memory tier ('plan': the plan's); preempted sequences swap there")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: --model as given)")
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the model's; fp32 on the CPU)")
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)  # before loading: a port in use fails in a second, not after the model
     engine = build_engine(args.model, kv=args.kv, dtype=args.dtype, max_model_len=args.max_model_len,
                           max_tokens=args.cache_tokens, device=args.device, enforce_eager=args.enforce_eager,
-                          max_num_seqs=args.max_num_seqs, tp=args.tp)
+                          max_num_seqs=args.max_num_seqs, tp=args.tp, host_tokens=args.host_tokens)
     app = build_app(engine, model_name=args.served_model_name or args.model, api_key=args.api_key,
                     max_pending=args.max_pending or DEFAULT_MAX_PENDING, chat_template=template,
                     drain_timeout=args.drain_timeout)
