@@ -229,3 +229,29 @@ def test_host_tier_sizes_and_misuse():
         cache.plan_step(["a", "b"], [1, 1])
     assert cache.block_manager.seq_len("a") == 2 * page
     cache.plan_step(["a"], [1])
+
+
+class _PendingCopy:
+    """A stand-in CUDA event of a copy that has not finished (query False) until synchronized."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+@pytest.mark.parametrize("tp_size,released", [(1, []), (2, [7])])
+def test_held_pages_are_released_by_timing_only_without_tensor_parallelism(monkeypatch, tp_size, released):
+    """With tp > 1 every rank must release held device pages at the same call, whatever its copies' timing."""
+    cache, _ = make("int8", "float16", 8, host_tokens=8 * 8)
+    got = []
+    monkeypatch.setattr(cache.block_manager, "release_held", got.append)
+    monkeypatch.setattr(cache, "tp_size", tp_size)
+    cache._held = [(_PendingCopy(), 7)]
+    cache._reap()
+    assert got == released
+    assert len(cache._held) == 1 - len(released)

@@ -124,7 +124,13 @@ class HostTierMixin:
         return ev
 
     def _reap(self, wait: bool = False) -> None:
-        """Hand out again the device pages whose copies to the host have finished (all of them: ``wait``)."""
+        """Hand out again the device pages whose copies to the host have finished (all of them: ``wait``).
+
+        Tensor-parallel ranks must make identical page decisions, and when a
+        copy finishes differs between ranks: with ``tp_size > 1`` every held
+        page is released at each call (waiting for its copy), never by timing.
+        """
+        wait = wait or self.tp_size > 1
         keep = []
         for ev, ticket in self._held:
             if wait or ev.query():
