@@ -27,6 +27,9 @@ class Target:
     ``shared_mem_per_sm`` and ``l2_bytes`` are bytes. ``arch`` is the
     compile target: ``sm_XY`` for NVIDIA, ``gfxNNN`` for AMD, ``cpu``.
     ``notes`` says which values were measured, estimated or assumed.
+    ``host_link_measured`` is the date of the ``kvgen probe`` measurement
+    ``host_link_bandwidth`` comes from (its host-to-device figure); empty
+    when the figure is a preset's or an assumption.
     """
 
     name: str
@@ -40,6 +43,14 @@ class Target:
     host_link_bandwidth: float
     vendor: str
     notes: str = ""
+    host_link_measured: str = ""
+
+    def host_link_text(self) -> str:
+        """The host-link figure and where it comes from, for plan reasons."""
+        gbs = f"host link {self.host_link_bandwidth / 1e9:.1f} GB/s"
+        if self.host_link_measured:
+            return f"{gbs} (measured by kvgen probe on {self.host_link_measured})"
+        return f"{gbs} (preset, not measured: run kvgen probe)"
 
     @property
     def arch_number(self) -> int:
@@ -129,7 +140,9 @@ def detect_target() -> Target:
     bandwidth and link speed, with memory, SM count, L2 and shared memory
     taken from the device itself (the driver's memory total, a MIG slice's
     SMs). Any other device is described from its properties, bandwidth
-    estimated; ``notes`` says what was estimated. Raises
+    estimated; ``notes`` says what was estimated. Where ``kvgen probe``
+    stored a measurement of this device (by name), its host-to-device
+    bandwidth replaces the datasheet's host link. Raises
     UnknownTargetError when torch sees no GPU.
     """
     import torch  # deferred: importing torch costs seconds the other commands do not need
@@ -151,11 +164,25 @@ def detect_target() -> Target:
         measured["shared_mem_per_sm"] = smem
     preset = next((p for pat, p in _NAME_RULES if re.search(pat, dev_name, re.IGNORECASE)), None)
     if preset is not None:
-        return dataclasses.replace(
+        target = dataclasses.replace(
             _presets()[preset], **measured,
             notes=f"detected {dev_name!r}; memory, SMs, L2 and shared memory read from the device, "
                   f"bandwidth and host link from the {preset} datasheet")
-    return _from_properties(props, dev_name, measured, hip=bool(getattr(torch.version, "hip", None)))
+    else:
+        target = _from_properties(props, dev_name, measured, hip=bool(getattr(torch.version, "hip", None)))
+    return _with_probe(target, dev_name)
+
+
+def _with_probe(target: Target, dev_name: str) -> Target:
+    """``target`` with the host link ``kvgen probe`` measured on ``dev_name``, when one is stored."""
+    from kvgen.probe import load_probe
+
+    probe = load_probe(dev_name)
+    if probe is None:
+        return target
+    return dataclasses.replace(
+        target, host_link_bandwidth=float(probe["host_to_device_bandwidth"]), host_link_measured=probe["date"],
+        notes=f"{target.notes}; host link measured by kvgen probe on {probe['date']} (replaces the figure above)")
 
 
 def _from_properties(props: Any, dev_name: str, measured: dict[str, int], hip: bool) -> Target:

@@ -37,6 +37,7 @@ def test_list_and_round_trip():
     assert {"h100", "h100-pcie", "h200", "gh200", "a100", "a100-40gb", "l40s", "rtx4090", "rtx5090", "b200", "mi300x", "cpu"} <= names
     for t in list_targets():
         assert Target(**t.to_json()) == t
+        assert t.host_link_measured == ""  # presets are datasheet figures, never a measurement
 
 
 def test_unknown_target_suggests_names():

@@ -222,8 +222,8 @@ def choose_tiering(model: ModelSpec, target: Target, workload: Workload, cap: Ca
     gpu_read_ms = cap.capacity_sequences * seq_bytes / target.memory_bandwidth * 1e3
     return "host", host_bytes, transfer_ms, (
         f"tiering host: {missing_seqs} of {workload.concurrency} sequences ({host_bytes:,} bytes) do not fit on the GPU; "
-        f"streaming them over the host link costs {transfer_ms:.2f} ms per decode step vs {gpu_read_ms:.2f} ms to read "
-        f"the GPU-resident KV")
+        f"streaming them over the {target.host_link_text()} costs {transfer_ms:.2f} ms per decode step vs "
+        f"{gpu_read_ms:.2f} ms to read the GPU-resident KV")
 
 
 def make_plan(model: ModelSpec, target: Target, workload: Workload, schemes: dict[str, Scheme],
