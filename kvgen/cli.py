@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("serve a model over an OpenAI-compatible HTTP API", "kvgen.serve.cli"),
     "tune": ("tune a compiled package's kernels ahead of time for given batch sizes and contexts",
              "kvgen.tune_command"),
+    "probe": ("measure this GPU's host link and copy bandwidth for --target auto", "kvgen.probe"),
 }
 """Command name -> (help, ``"module"`` or ``"module:attribute"`` of an object with ``add_args`` and ``run``)."""
 
