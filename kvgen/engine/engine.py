@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .detokenizer import IncrementalDetokenizer
 from .errors import EngineError
 from .outputs import CompletionOutput, RequestOutput
 from .runner import ModelRunner
@@ -59,6 +60,33 @@ class LLMEngine:
         self.peak_running = 0
         self.stream_text = True
         """Decode the text of running completions into every step's outputs (off: only finished ones; faster)."""
+        self._output_kind = "cumulative"
+
+    OUTPUT_KINDS = ("cumulative", "delta", "final")
+
+    @property
+    def output_kind(self) -> str:
+        """What :meth:`step` returns for a request that changed.
+
+        ``"cumulative"`` (the default): a snapshot -- every token, logprob and
+        (with :attr:`stream_text`) the text so far; O(length) per output.
+        ``"delta"``: only what is new since the request's last output (token
+        ids, logprobs, text; ``cumulative_logprob`` is the running total) and
+        ``finished``; O(new tokens) per output. Concatenated, the deltas are
+        the cumulative output. Text is held back while it ends in an
+        incomplete UTF-8 character, and, with stop strings, its last
+        ``max(len(stop)) - 1`` characters (a stop string may still complete
+        there and is then cut).
+        ``"final"``: nothing until a request finishes, then its full output.
+        :meth:`output_of` always gives the full snapshot.
+        """
+        return self._output_kind
+
+    @output_kind.setter
+    def output_kind(self, kind: str) -> None:
+        if kind not in self.OUTPUT_KINDS:
+            raise EngineError(f"output_kind must be one of {', '.join(self.OUTPUT_KINDS)}, not {kind!r}")
+        self._output_kind = kind
 
     # -- requests ---------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -106,6 +134,8 @@ class LLMEngine:
             if seq.status is not Status.FINISHED:
                 self.scheduler.remove(seq)
                 seq.completion.finish_reason = "abort"
+                seq.completion.text = self._text(seq)
+        req.refresh_finished()
 
     def close(self) -> None:
         """Release what the runner holds beyond this process (tensor-parallel workers); idempotent."""
@@ -166,8 +196,9 @@ class LLMEngine:
                     self._seed(ch)
                 forks.append((seq, children))
                 group += children
+            history = _uses_history(req.params)
             for s in group:
-                slots.append(SampleSlot(r, req.params, s.generator, req.prompt_ids, s.output_ids,
+                slots.append(SampleSlot(r, req.params, s.generator, req.prompt_ids, s.output_ids if history else [],
                                         self._banned(s)))
                 owners.append(s)
             r += 1
@@ -188,7 +219,9 @@ class LLMEngine:
             seq.tokens.append(d.token)
             comp = seq.completion
             if d.logprob is not None:
-                comp.logprobs = (comp.logprobs or []) + [d.top_logprobs]
+                if comp.logprobs is None:
+                    comp.logprobs = []
+                comp.logprobs.append(d.top_logprobs)
                 comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + d.logprob
             self._check_stop(seq, d.token)
             changed[req.request_id] = req
@@ -196,31 +229,41 @@ class LLMEngine:
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
         p = seq.request.params
-        if len(seq.output_ids) >= p.min_tokens:
+        if seq.num_output >= p.min_tokens:
             return ()
         return tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)))
 
     def _text(self, seq: Sequence) -> str:
+        """The whole completion decoded at once (its final text)."""
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.request.params.skip_special_tokens)
 
+    def _running_text(self, seq: Sequence) -> str:
+        """The completion's text so far, decoded incrementally (without a trailing incomplete character)."""
+        if self.tokenizer is None:
+            return ""
+        if seq.detok is None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.request.params.skip_special_tokens)
+        seq.detok.update(_Window(seq.tokens, seq.num_prompt))
+        return seq.detok.text
+
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.request.params
-        out = seq.output_ids
-        if len(out) >= p.min_tokens:
+        num_out = seq.num_output
+        if num_out >= p.min_tokens:
             if token in p.stop_token_ids:
                 return self._finish(seq, "stop", token)
             if not p.ignore_eos and token in self.eos_token_ids:
                 return self._finish(seq, "stop", None)
-        if p.stop and len(out) >= p.min_tokens:
-            text = self._text(seq)
+        if p.stop and num_out >= p.min_tokens:
+            text = self._running_text(seq)
             hits = [(text.find(s), s) for s in p.stop if s in text]
             if hits:
                 at, s = min(hits)
                 seq.completion.text = text[:at]
                 return self._finish(seq, "stop", s, text_done=True)
-        if p.max_tokens is not None and len(out) >= p.max_tokens:
+        if p.max_tokens is not None and num_out >= p.max_tokens:
             return self._finish(seq, "length", None)
         if len(seq.tokens) >= self.max_model_len:
             return self._finish(seq, "length", None)
@@ -232,16 +275,48 @@ class LLMEngine:
         if not text_done:
             seq.completion.text = self._text(seq)
         req = seq.request
-        if req.finished:
+        if req.refresh_finished():
             req.metrics.finished_time = time.perf_counter()
 
     def _collect(self, changed: dict[str, Request]) -> list[RequestOutput]:
         outs = []
+        kind = self._output_kind
         for rid, req in changed.items():
-            outs.append(self.output_of(req, text=self.stream_text))
+            if kind == "cumulative":
+                outs.append(self.output_of(req, text=self.stream_text))
+            elif kind == "delta":
+                outs.append(self._delta_of(req))
+            elif req.finished:
+                outs.append(self.output_of(req))
             if req.finished:
                 self.requests.pop(rid, None)
         return outs
+
+    def _delta_of(self, req: Request) -> RequestOutput:
+        """What is new in ``req`` since its last delta output (see :attr:`output_kind`)."""
+        comps = []
+        holdback = max((len(s) for s in req.params.stop), default=1) - 1 if req.params.stop else 0
+        for seq in sorted(req.seqs, key=lambda s: s.index):
+            c = seq.completion
+            start, end = seq.tokens_sent, seq.num_output
+            p0 = seq.num_prompt
+            ids = seq.tokens[p0 + start:p0 + end]
+            lps = None if c.logprobs is None else c.logprobs[start:end]
+            seq.tokens_sent = end
+            if c.finish_reason is not None:
+                full = c.text
+            elif self.tokenizer is not None:
+                full = self._running_text(seq)
+                full = full[:max(len(full) - holdback, seq.text_len_sent)]
+            else:
+                full = ""
+            # a finished text is a whole decode; it extends what was streamed (see .detokenizer)
+            text = full[seq.text_len_sent:]
+            seq.text_len_sent = max(seq.text_len_sent, len(full))
+            comps.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob, lps, c.finish_reason,
+                                          c.stop_reason))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, comps, req.finished, req.metrics,
+                             req.num_cached_tokens)
 
     def output_of(self, req: Request, text: bool = True) -> RequestOutput:
         """A snapshot of ``req`` (texts decoded for running sequences only when ``text``)."""
@@ -249,9 +324,31 @@ class LLMEngine:
         for seq in sorted(req.seqs, key=lambda s: s.index):
             c = seq.completion
             if c.finish_reason is None and text:
-                c.text = self._text(seq)
+                c.text = self._running_text(seq)
             comps.append(CompletionOutput(c.index, c.text, list(seq.output_ids), c.cumulative_logprob,
                                           None if c.logprobs is None else list(c.logprobs), c.finish_reason,
                                           c.stop_reason))
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), comps, req.finished, req.metrics,
                              req.num_cached_tokens)
+
+
+class _Window:
+    """``tokens[offset:]`` as a sliceable sequence without copying it (slices copy only what they cover)."""
+
+    __slots__ = ("tokens", "offset")
+
+    def __init__(self, tokens: list[int], offset: int) -> None:
+        self.tokens = tokens
+        self.offset = offset
+
+    def __len__(self) -> int:
+        return len(self.tokens) - self.offset
+
+    def __getitem__(self, s: slice) -> list[int]:
+        o = self.offset
+        return self.tokens[o + (s.start or 0):o + (len(self) if s.stop is None else s.stop)]
+
+
+def _uses_history(p: SamplingParams) -> bool:
+    """Whether sampling reads the completion's tokens so far (penalties); else the sampler gets none."""
+    return p.repetition_penalty != 1 or bool(p.presence_penalty) or bool(p.frequency_penalty)

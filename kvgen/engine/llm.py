@@ -61,7 +61,7 @@ class LLM:
         eng = self.engine
         ids = [eng.add_request(None, p, sp) for p, sp in zip(prompts, params)]
         done: dict[str, RequestOutput] = {}
-        previous, eng.stream_text = eng.stream_text, False
+        previous, eng.output_kind = eng.output_kind, "final"  # no per-step snapshots: O(1) host work per token
         try:
             while len(done) < len(ids):
                 for out in eng.step():
@@ -72,7 +72,7 @@ class LLM:
                 eng.abort_request(rid)
             raise
         finally:
-            eng.stream_text = previous
+            eng.output_kind = previous
         return [done[r] for r in ids]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -81,6 +81,8 @@ class LLM:
         Closing the iterator early aborts the request.
         """
         eng = self.engine
+        if eng.output_kind != "cumulative":
+            raise EngineError(f"LLM.stream needs the engine's output_kind 'cumulative', not {eng.output_kind!r}")
         rid = eng.add_request(None, prompt, sampling_params)
         finished = False
         try:

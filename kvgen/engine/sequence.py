@@ -39,7 +39,9 @@ class Sequence:
         self.status = Status.WAITING
         self.completion = CompletionOutput(index=index)
         self.generator: Any = None  # a torch.Generator when the request has a seed (set by the engine)
-        self.text_len_sent = 0  # streaming: characters already handed out
+        self.detok: Any = None  # an IncrementalDetokenizer once text is streamed or stop strings are checked
+        self.text_len_sent = 0  # delta outputs: characters already handed out
+        self.tokens_sent = 0  # delta outputs: output tokens already handed out
 
     @property
     def num_prompt(self) -> int:
@@ -47,7 +49,12 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
+        """A copy of the completion's tokens (O(length): per-step code uses :attr:`num_output`)."""
         return self.tokens[self.num_prompt:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.request.prompt_ids)
 
     @property
     def reserve(self) -> int:
@@ -71,8 +78,11 @@ class Request:
         self.forked = params.n == 1
         self.seqs = [Sequence(self, 0, list(prompt_ids))]
         self.num_cached_tokens = 0
+        self.finished = False
+        """Every sequence finished (before the fork: the first); kept by :meth:`refresh_finished`."""
 
-    @property
-    def finished(self) -> bool:
-        return (self.forked and all(s.status is Status.FINISHED for s in self.seqs)) or \
+    def refresh_finished(self) -> bool:
+        """Recompute :attr:`finished`; the engine calls it whenever one of the sequences finishes or aborts."""
+        self.finished = (self.forked and all(s.status is Status.FINISHED for s in self.seqs)) or \
             (not self.forked and self.seqs[0].status is Status.FINISHED)
+        return self.finished
