@@ -62,6 +62,9 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
     """
     state = ServeState(engine, model_name, api_key, max_pending, chat_template, drain_timeout)
     engine.stream_text = True
+    # Deltas: the engine thread hands over only each step's new tokens and text (a snapshot would copy every
+    # request's whole output each step); the worker's Stream merges them for a handler that fell behind.
+    engine.output_kind = "delta"
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -158,14 +161,14 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
         except EngineError as e:
             raise ApiError(400, str(e)) from None
         stream = await state.worker.submit(prompts, params, arrival)
-        choices = Choices(req.n, params.stop, [len(p) for p in prompts])
+        choices = Choices(req.n, [len(p) for p in prompts], keep=not req.stream)
         if req.stream:
             return StreamingResponse(_sse(stream, choices, fmt, req.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return JSONResponse(await _collect(request, stream, choices, fmt))
 
     async def _sse(stream: Stream, choices: Choices, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
-        # One write per wake-up: the mailbox holds the newest output of each prompt, so a client that fell
+        # One write per wake-up: the mailbox holds each prompt's deltas merged into one, so a client that fell
         # behind gets the tokens of several steps in one chunk, and the loop's work per step stays bounded.
         try:
             try:

@@ -61,30 +61,36 @@ class ServeMetrics:
         self.finished_total = Counter("kvgen_request_finished", "Finished completions by reason", ["reason"],
                                       registry=r)
         self.http = Counter("kvgen_http_responses", "HTTP responses by status", ["status"], registry=r)
-        self._seen: dict[str, int] = {}  # request id -> output tokens counted so far (engine thread)
+        self._seen: dict[str, dict[int, int]] = {}  # request id -> completion index -> tokens so far (engine thread)
         self._window: deque[tuple[float, float]] = deque()
         self._total_gen = 0
         self._total_prompt = 0
         self._total_hit = 0
 
     # -- engine thread ----------------------------------------------------------------------
-    def after_step(self, engine: Any, outs: list[Any]) -> None:
-        """Count the step's outputs and refresh the gauges."""
+    def after_step(self, engine: Any, outs: list[Any], snapshot: bool = False) -> None:
+        """Count the step's outputs (engine deltas; with ``snapshot``, full outputs) and refresh the gauges."""
         from .worker import kv_pages
 
         now = time.perf_counter()
         new = 0
         for out in outs:
-            count = sum(len(c.token_ids) for c in out.outputs)
-            before = self._seen.get(out.request_id)
-            if before is None and count:
+            seen = self._seen.get(out.request_id)
+            if seen is None:
+                seen = {}
+            before = sum(seen.values())
+            for c in out.outputs:
+                had = seen.get(c.index, 0)
+                seen[c.index] = max(len(c.token_ids), had) if snapshot else had + len(c.token_ids)
+            count = sum(seen.values())
+            if before == 0 and count:
                 self._first_token(out)
-            new += count - (before or 0)
+            new += count - before
             if out.finished:
-                self._finished(out)
+                self._finished(out, seen)
                 self._seen.pop(out.request_id, None)
             else:
-                self._seen[out.request_id] = count
+                self._seen[out.request_id] = seen
         self._total_gen += new
         if new:
             self.gen_tokens.inc(new)
@@ -111,12 +117,13 @@ class ServeMetrics:
         self.hit_tokens.inc(out.num_cached_tokens)
         self.hit_rate.set(self._total_hit / self._total_prompt if self._total_prompt else 0.0)
 
-    def _finished(self, out: Any) -> None:
+    def _finished(self, out: Any, tokens: dict[int, int]) -> None:
         m = out.metrics
         for c in out.outputs:
             self.finished_total.labels(c.finish_reason or "abort").inc()
-            if c.finish_reason != "abort" and len(c.token_ids) > 1 and m.first_token_time and m.finished_time:
-                self.tpot.observe(max(m.finished_time - m.first_token_time, 0.0) / (len(c.token_ids) - 1))
+            n = tokens.get(c.index, 0)
+            if c.finish_reason != "abort" and n > 1 and m.first_token_time and m.finished_time:
+                self.tpot.observe(max(m.finished_time - m.first_token_time, 0.0) / (n - 1))
 
     def aborted(self, request_id: str) -> None:
         """A client went away: its request is aborted and no longer counted."""

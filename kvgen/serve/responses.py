@@ -1,12 +1,14 @@
 """Engine outputs as OpenAI response bodies and stream chunks (completions and chat; no torch).
 
 :class:`Choices` follows the completions of one HTTP request as outputs
-arrive (choice ``prompt_index * n + completion_index``) and turns each
-update into the text and tokens that are new since the last chunk. While a
-completion runs with stop strings, its last ``max(len(stop)) - 1``
-characters are held back (a stop string may still complete there and the
-engine then cuts it from the text), and text ending in an incomplete UTF-8
-character waits for the next token; the finished text is sent in full.
+arrive (choice ``prompt_index * n + completion_index``). The outputs are
+the engine's deltas (``output_kind = "delta"``, merged per prompt by the
+worker's Stream), so each update's text and tokens are exactly what is new
+since the last chunk: the engine already holds back text that ends in an
+incomplete UTF-8 character and, with stop strings, the last
+``max(len(stop)) - 1`` characters (a stop string may still complete there);
+the finished text is sent in full. For a whole (non-streamed) body the
+choices keep the concatenated text, ids and logprobs.
 
 Stream chunks are written by :meth:`Formatter.sse` from templates made once
 per request (the same JSON as ``json.dumps(Formatter.chunk(...))``, compact):
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .prompts import Prompter
@@ -27,11 +29,18 @@ from .prompts import Prompter
 
 @dataclass
 class _State:
-    text: str = ""
-    tokens: int = 0
+    """One choice so far: tokens counted, the finish reason once sent, and (``keep``) everything received."""
+
     role_sent: bool = False
     finish_reason: str | None = None
     num_tokens: int = 0
+    pieces: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 @dataclass
@@ -47,45 +56,45 @@ class Delta:
 
 
 class Choices:
-    """The choices of one request, built up from engine outputs; also counts usage."""
+    """The choices of one request, built up from engine delta outputs; also counts usage.
 
-    def __init__(self, n: int, stop: list[str] | None, prompt_lengths: list[int]) -> None:
+    ``keep``: collect each choice's text, ids and logprobs for :meth:`Formatter.full`
+    (a streamed response sends them as they come and needs only the counts).
+    """
+
+    def __init__(self, n: int, prompt_lengths: list[int], keep: bool = True) -> None:
         self.n = n
-        self.holdback = max((len(s) for s in stop or []), default=1) - 1
+        self.keep = keep
         self.prompt_tokens = sum(prompt_lengths)
         self.states: dict[int, _State] = {}
-        self.final: dict[int, Any] = {}  # choice index -> finished CompletionOutput
+        self.final: dict[int, _State] = {}  # choice index -> finished choice (text, token_ids, logprobs, reason)
 
     def update(self, prompt_index: int, out: Any, finished: bool) -> list[Delta]:
+        """The chunks' deltas for ``out``, what is new in prompt ``prompt_index``'s completions (an engine delta)."""
         deltas = []
         for c in out.outputs:
             index = prompt_index * self.n + c.index
-            st = self.states.setdefault(index, _State())
+            st = self.states.get(index)
+            if st is None:
+                st = self.states[index] = _State()
             done = finished or c.finish_reason is not None
-            text = c.text
-            if not text.startswith(st.text):
-                new = ""  # the detokenized prefix changed; do not resend (rare with byte-fallback tokens)
-            elif done:
-                new = text[len(st.text):]
-            else:
-                end = max(len(text) - self.holdback, len(st.text))
-                new = text[len(st.text):end]
-                if new.endswith("\ufffd"):
-                    new = ""
-            ids = c.token_ids[st.tokens:]
-            lps = None if c.logprobs is None else c.logprobs[st.tokens:len(c.token_ids)]
+            new, ids, lps = c.text, c.token_ids, c.logprobs
+            if st.finish_reason is not None or (not new and not ids and not done and st.role_sent):
+                continue  # nothing new (a finished choice among running ones, or a step that held its text back)
             reason = (c.finish_reason or "abort") if done else None
-            if not new and not ids and reason is None and st.role_sent:
-                continue
-            deltas.append(Delta(index, new, list(ids), lps, reason if st.finish_reason is None else None,
-                                not st.role_sent))
+            deltas.append(Delta(index, new, ids, lps, reason, not st.role_sent))
             st.role_sent = True
-            st.text += new
-            st.tokens = len(c.token_ids)
-            st.num_tokens = len(c.token_ids)
-            if done and st.finish_reason is None:
+            st.num_tokens += len(ids)
+            if self.keep:
+                st.pieces.append(new)
+                st.token_ids.extend(ids)
+                if lps is not None:
+                    if st.logprobs is None:
+                        st.logprobs = []
+                    st.logprobs.extend(lps)
+            if done:
                 st.finish_reason = reason
-                self.final[index] = c
+                self.final[index] = st
         return deltas
 
     def usage(self) -> dict[str, int]:

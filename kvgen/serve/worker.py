@@ -33,6 +33,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from .protocol import ApiError
@@ -64,20 +65,27 @@ def _hold_switch_interval(on: bool) -> None:
 class Stream:
     """The engine requests of one HTTP request (one per prompt) and the mailbox their outputs arrive in.
 
-    Outputs are cumulative snapshots (a RequestOutput holds every token so
-    far), so the mailbox keeps only the latest one per prompt: a handler
+    Outputs are deltas (the engine's ``output_kind = "delta"``: only the
+    token ids, logprobs and text new since the request's last output), so
+    the mailbox holds one pending output per prompt and merges each new
+    delta into it (ids, logprobs and text appended; ``finished``, finish
+    and stop reasons and ``cumulative_logprob`` from the newest): a handler
     that falls behind the engine reads one output covering several steps
-    (streamed as one multi-token chunk) instead of a backlog of one item per
-    step. The engine thread never waits on the handler: it drops the latest
-    snapshot in with one loop callback per step for all streams.
+    (streamed as one multi-token chunk) instead of a backlog of one item
+    per step, and the merging costs O(new tokens) per push. The engine
+    thread never waits on the handler: it drops its deltas in with one loop
+    callback per step for all streams.
     """
 
-    __slots__ = ("request_ids", "finished", "_latest", "_error", "_waiter")
+    __slots__ = ("request_ids", "finished", "_latest", "_pushed", "_error", "_waiter")
 
     def __init__(self, request_ids: list[str]) -> None:
         self.request_ids = request_ids
         self.finished: set[str] = set()  # ids whose last output the handler has taken
-        self._latest: dict[int, tuple[Any, bool]] = {}  # prompt index -> (newest output, finished)
+        # prompt index -> [pending merged output, finished, {completion index: text pieces}]
+        self._latest: dict[int, list] = {}
+        # prompt index -> {completion index: [tokens, characters] pushed so far} (to turn a snapshot into a delta)
+        self._pushed: dict[int, dict[int, list[int]]] = {}
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
 
@@ -86,8 +94,24 @@ class Stream:
         return len(self.finished) == len(self.request_ids)
 
     # event loop: called by the worker's per-step callback
-    def push(self, index: int, out: Any, finished: bool) -> None:
-        self._latest[index] = (out, finished)
+    def push(self, index: int, out: Any, finished: bool, snapshot: bool = False) -> None:
+        """Merge ``out`` (a delta; with ``snapshot``, a full output, of which only the unpushed rest counts)."""
+        pushed = self._pushed.setdefault(index, {})
+        if snapshot:
+            out = _rest_of(out, pushed)
+        for c in out.outputs:
+            n = pushed.get(c.index)
+            if n is None:
+                pushed[c.index] = [len(c.token_ids), len(c.text)]
+            else:
+                n[0] += len(c.token_ids)
+                n[1] += len(c.text)
+        pending = self._latest.get(index)
+        if pending is None:
+            self._latest[index] = [out, finished, None]
+        else:
+            pending[2] = _merge(pending[0], out, pending[2])
+            pending[1] = finished
         self._wake()
 
     def fail(self, error: BaseException) -> None:
@@ -100,7 +124,7 @@ class Stream:
             w.set_result(None)
 
     async def batches(self):
-        """Yield lists of ``(prompt_index, RequestOutput)``, each the newest of every prompt that changed.
+        """Yield lists of ``(prompt_index, RequestOutput)``: per prompt that changed, its deltas merged into one.
 
         Ends when every prompt finished; an engine failure is ApiError 500.
         """
@@ -116,7 +140,11 @@ class Stream:
                 raise ApiError(500, f"the engine failed: {type(e).__name__}: {e}", type="internal_error")
             latest, self._latest = self._latest, {}
             batch = []
-            for index, (out, finished) in sorted(latest.items()):
+            for index, (out, finished, pieces) in sorted(latest.items()):
+                if pieces:
+                    for c in out.outputs:
+                        if c.index in pieces:
+                            c.text = "".join(pieces[c.index])
                 if finished:
                     self.finished.add(self.request_ids[index])
                 batch.append((index, out))
@@ -304,16 +332,21 @@ class EngineWorker:
             self._fail_all(e)
 
     def _abort_all(self, reason: str) -> None:
-        """Abort every request; each stream gets its last output (finish reason ``abort``)."""
+        """Abort every request; each stream gets its last output (finish reason ``abort``).
+
+        The outputs are full snapshots (``engine.output_of``): the stream
+        keeps only what it had not been pushed yet (the text the engine
+        still held back), the metrics count only tokens not counted yet.
+        """
         outs = []
         for rid in list(self._sinks):
             req = self.engine.requests.get(rid)
             self.engine.abort_request(rid)
             if req is not None:
                 outs.append(self.engine.output_of(req))
-        self._deliver(outs, force_finished=True)
+        self._deliver(outs, force_finished=True, snapshot=True)
         if self.metrics is not None:
-            self.metrics.after_step(self.engine, outs)
+            self.metrics.after_step(self.engine, outs, snapshot=True)
 
     def _fail_all(self, error: BaseException) -> None:
         items = []
@@ -327,7 +360,7 @@ class EngineWorker:
         if self._loop is not None and items:
             self._loop.call_soon_threadsafe(_fail_streams, items)
 
-    def _deliver(self, outs: Sequence[Any], force_finished: bool = False) -> None:
+    def _deliver(self, outs: Sequence[Any], force_finished: bool = False, snapshot: bool = False) -> None:
         items = []
         for out in outs:
             sink = self._sinks.get(out.request_id)
@@ -337,7 +370,7 @@ class EngineWorker:
             finished = out.finished or force_finished
             if finished:
                 del self._sinks[out.request_id]
-            items.append((stream, index, out, finished))
+            items.append((stream, index, out, finished, snapshot))
         if items and self._loop is not None:
             self._loop.call_soon_threadsafe(_push_all, items)
 
@@ -366,9 +399,52 @@ def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> No
         fut.set_result(result)
 
 
-def _push_all(items: list[tuple[Stream, int, Any, bool]]) -> None:
-    for stream, index, out, finished in items:
-        stream.push(index, out, finished)
+def _push_all(items: list[tuple[Stream, int, Any, bool, bool]]) -> None:
+    for stream, index, out, finished, snapshot in items:
+        stream.push(index, out, finished, snapshot)
+
+
+def _merge(into: Any, new: Any, pieces: dict[int, list[str]] | None) -> dict[int, list[str]] | None:
+    """Append delta ``new`` to the pending output ``into`` (owned by the stream: the engine keeps neither).
+
+    Texts are collected as pieces (joined once when the handler reads) so a
+    long backlog does not copy its text again at every push; returns the pieces.
+    """
+    by_index = {c.index: c for c in into.outputs}
+    for c in new.outputs:
+        p = by_index.get(c.index)
+        if p is None:
+            into.outputs.append(c)
+            continue
+        if c.text:
+            if pieces is None:
+                pieces = {}
+            parts = pieces.get(c.index)
+            if parts is None:
+                pieces[c.index] = [p.text, c.text]
+            else:
+                parts.append(c.text)
+        p.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            if p.logprobs is None:
+                p.logprobs = list(c.logprobs)
+            else:
+                p.logprobs.extend(c.logprobs)
+        p.cumulative_logprob = c.cumulative_logprob
+        p.finish_reason = c.finish_reason
+        p.stop_reason = c.stop_reason
+    into.finished = new.finished
+    return pieces
+
+
+def _rest_of(out: Any, pushed: dict[int, list[int]]) -> Any:
+    """Snapshot ``out`` cut to what was not pushed yet (``pushed``: completion index -> [tokens, characters])."""
+    comps = []
+    for c in out.outputs:
+        tokens, chars = pushed.get(c.index, (0, 0))
+        comps.append(replace(c, text=c.text[chars:], token_ids=list(c.token_ids[tokens:]),
+                             logprobs=None if c.logprobs is None else list(c.logprobs[tokens:])))
+    return replace(out, outputs=comps)
 
 
 def _fail_streams(items: list[tuple[Stream, BaseException]]) -> None:

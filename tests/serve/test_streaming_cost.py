@@ -1,8 +1,11 @@
 """What keeps kvgen serve's streaming cheap at many clients (the HTTP overhead of issue 15).
 
-- a request's outputs arrive in a mailbox holding the newest snapshot per
-  prompt: a handler that fell behind reads one output covering several
-  engine steps (one multi-token chunk), the engine never queues a backlog;
+- the server's engine hands over deltas (each step's new tokens and text,
+  never a copy of a request's whole output); a request's mailbox merges
+  them into one pending output per prompt: a handler that fell behind
+  reads one output covering several engine steps (one multi-token chunk),
+  the engine never queues a backlog; a drain's abort snapshot adds only
+  what was not pushed yet;
 - stream chunks are built from per-request templates, and equal the JSON
   the dict form (``Formatter.chunk``) gives, for both endpoints, with and
   without logprobs and usage;
@@ -30,33 +33,89 @@ from kvgen.serve.responses import Choices, Delta, Formatter  # noqa: E402
 from kvgen.serve.worker import SWITCH_INTERVAL_S, Stream  # noqa: E402
 
 
-def snapshot(tokens, finished=False, text=None):
-    text = "".join(f"w{t} " for t in tokens) if text is None else text
-    comp = CompletionOutput(0, text, list(tokens), finish_reason="length" if finished else None)
+def words(tokens):
+    return "".join(f"w{t} " for t in tokens)
+
+
+def output(tokens, finished=False, text=None, logprobs=False):
+    text = words(tokens) if text is None else text
+    lps = [{t: -0.5 * t} for t in tokens] if logprobs else None
+    comp = CompletionOutput(0, text, list(tokens), -float(len(tokens)), lps,
+                            finish_reason="length" if finished else None)
     return RequestOutput("r0-0", None, [1, 2], [comp], finished, RequestMetrics(0.0))
 
 
 def test_a_handler_behind_the_engine_gets_one_multi_token_chunk():
     async def go():
         s = Stream(["r0-0"])
-        for k in range(1, 500):  # 499 engine steps while the handler was busy elsewhere
-            s.push(0, snapshot(range(k)), False)
+        for k in range(499):  # 499 engine steps (one new token each) while the handler was busy elsewhere
+            s.push(0, output([k], logprobs=True), False)
         assert len(s._latest) == 1  # nothing queued per step
-        choices = Choices(1, None, [2])
-        batches = []
+        choices = Choices(1, [2])
         reader = s.batches()
         batch = await reader.__anext__()
-        batches.append(batch)
         deltas = [d for i, out in batch for d in choices.update(i, out, out.finished)]
         assert len(deltas) == 1 and deltas[0].token_ids == list(range(499))
-        assert deltas[0].text == "".join(f"w{t} " for t in range(499))
-        s.push(0, snapshot(range(501), finished=True), True)
+        assert deltas[0].text == words(range(499))
+        assert deltas[0].logprobs == [{t: -0.5 * t} for t in range(499)]
+        s.push(0, output([499, 500], finished=True, logprobs=True), True)
         batch = await reader.__anext__()
         deltas = [d for i, out in batch for d in choices.update(i, out, out.finished)]
         assert deltas[0].token_ids == [499, 500] and deltas[0].finish_reason == "length"
+        assert deltas[0].text == "w499 w500 "
         with pytest.raises(StopAsyncIteration):
             await reader.__anext__()
         assert s.done
+        # the whole body: the same text, ids and logprobs as the cumulative output, usage counted once
+        final = choices.final[0]
+        assert final.text == words(range(501)) and final.token_ids == list(range(501))
+        assert final.logprobs == [{t: -0.5 * t} for t in range(501)] and final.finish_reason == "length"
+        assert choices.usage() == {"prompt_tokens": 2, "completion_tokens": 501, "total_tokens": 503}
+
+    asyncio.run(go())
+
+
+def test_merged_deltas_keep_the_newest_reasons_and_each_completion_apart():
+    async def go():
+        s = Stream(["r0-0"])
+        two = lambda a, b, fin=None: RequestOutput(  # noqa: E731
+            "r0-0", None, [1], [CompletionOutput(0, words(a), list(a), -1.0, None, fin),
+                                CompletionOutput(1, words(b), list(b), -2.0, None, None)], False, RequestMetrics(0.0))
+        s.push(0, two([1], [7]), False)
+        s.push(0, two([2], []), False)
+        s.push(0, two([], [8, 9], "stop"), False)
+        [(i, out)] = await s.batches().__anext__()
+        a, b = out.outputs
+        assert (a.token_ids, a.text, a.finish_reason) == ([1, 2], "w1 w2 ", "stop")
+        assert (b.token_ids, b.text, b.finish_reason, b.cumulative_logprob) == ([7, 8, 9], "w7 w8 w9 ", None, -2.0)
+        choices = Choices(2, [1], keep=False)
+        deltas = choices.update(i, out, out.finished)
+        assert [(d.index, d.token_ids, d.finish_reason) for d in deltas] == [(0, [1, 2], "stop"), (1, [7, 8, 9], None)]
+        # a finished choice sends nothing more while its sibling runs
+        s.push(0, two([], [10]), False)
+        [(i, out)] = await s.batches().__anext__()
+        assert [(d.index, d.token_ids) for d in choices.update(i, out, out.finished)] == [(1, [10])]
+        assert choices.final[0].token_ids == []  # keep=False: a stream keeps counts only
+        assert choices.usage()["completion_tokens"] == 6
+
+    asyncio.run(go())
+
+
+def test_an_abort_snapshot_adds_only_what_was_not_pushed():
+    async def go():
+        s = Stream(["r0-0"])
+        s.push(0, output([1, 2], text="w1 "), False)  # the engine held "w2 " back (a stop string may start there)
+        reader = s.batches()
+        choices = Choices(1, [2])
+        for i, out in await reader.__anext__():
+            choices.update(i, out, out.finished)
+        full = output([1, 2])
+        full.outputs[0].finish_reason = "abort"
+        s.push(0, full, True, snapshot=True)
+        [(i, out)] = await reader.__anext__()
+        [d] = choices.update(i, out, out.finished)
+        assert (d.text, d.token_ids, d.finish_reason) == ("w2 ", [], "abort")
+        assert choices.final[0].text == "w1 w2 " and choices.final[0].token_ids == [1, 2]
 
     asyncio.run(go())
 
@@ -67,7 +126,7 @@ def test_a_waiting_handler_wakes_on_push_and_on_failure():
         got = asyncio.ensure_future(s.batches().__anext__())
         await asyncio.sleep(0)
         assert not got.done()
-        s.push(1, snapshot([5]), False)
+        s.push(1, output([5]), False)
         assert [i for i, _ in await asyncio.wait_for(got, 5)] == [1]
         s2 = Stream(["r1-0"])
         reader = s2.batches()
@@ -101,6 +160,14 @@ def test_sse_chunk_is_the_json_of_the_dict_chunk(chat, logprobs, usage):
         event = fast.sse(deltas, usage)
         assert event.startswith("data: {") and event.endswith("}\n\n") and "\n" not in event[:-2]
         assert json.loads(event[len("data: "):]) == ref.chunk(deltas, usage)
+
+
+def test_the_served_engine_hands_over_deltas():
+    from .helpers import ServerThread, table_engine
+
+    engine = table_engine()
+    with ServerThread(engine):
+        assert engine.output_kind == "delta"
 
 
 def test_switch_interval_is_short_while_serving_and_restored_after():
