@@ -1,8 +1,7 @@
 """``kvgen generate``: stream a completion of one prompt to stdout (imports torch only when run).
 
 For kvgen/cli.py's COMMANDS table this module offers ``add_args(parser)``
-and ``run(args) -> int``; ``add_generate_parser(subparsers)`` and
-``run_generate(args)`` are the same for argparse users. A KvgenError
+and ``run(args) -> int``. A KvgenError
 propagates (the CLI prints it as one line and exits 2).
 """
 
@@ -92,15 +91,3 @@ def _stream(llm, prompt, params, args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
     return 0
-
-
-def add_generate_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``generate`` to an argparse subparsers object; returns its parser (``run_generate`` set as ``_run``)."""
-    p = subparsers.add_parser("generate", help=HELP, description=HELP)
-    add_args(p)
-    p.set_defaults(_run=run_generate)
-    return p
-
-
-def run_generate(args: argparse.Namespace) -> int:
-    return run(args)

@@ -1,8 +1,7 @@
 """``kvgen serve``: an OpenAI-compatible HTTP server on the engine (imports torch/fastapi only when run).
 
 For kvgen/cli.py's COMMANDS table this module offers ``add_args(parser)``
-and ``run(args) -> int``; ``add_serve_parser(subparsers)`` and
-``run_serve(args)`` are the same for argparse users. ``python -m
+and ``run(args) -> int``. ``python -m
 kvgen.serve`` runs it alone. A KvgenError propagates (the CLI prints it as
 one line and exits 2); a missing ``serve`` extra is one too.
 """
@@ -102,15 +101,3 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.close()  # stops tensor-parallel workers at once (a no-op at tp=1)
     return 0
-
-
-def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``serve`` to an argparse subparsers object; returns its parser (``run_serve`` set as ``_run``)."""
-    p = subparsers.add_parser("serve", help=HELP, description=HELP)
-    add_args(p)
-    p.set_defaults(_run=run_serve)
-    return p
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    return run(args)

@@ -121,7 +121,7 @@ def test_kvgen_generate_streams_hf_greedy_text(hf, capsys):
     cli.add_args(parser)
     args = parser.parse_args(["--model", str(STORIES), "--kv", "fp32", "--prompt", "Once upon a time",
                               "--max-tokens", "8", "--temperature", "0", "--ignore-eos", "--cache-tokens", "1024"])
-    assert cli.run_generate(args) == 0
+    assert cli.run(args) == 0
     out = capsys.readouterr().out
     ids = hf("Once upon a time", 8)
     assert out == hf.tok.decode(ids, skip_special_tokens=True) + "\n"

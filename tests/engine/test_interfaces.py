@@ -32,17 +32,13 @@ def test_top_level_names_as_in_vllm():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_generate_parser_wires_run_generate():
-    import argparse
-
+def test_generate_parser_wires_run():
+    from kvgen.cli import make_parser
     from kvgen.engine import cli
 
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers(dest="command")
-    cli.add_generate_parser(sub)
-    args = parser.parse_args(["generate", "--model", "m", "--prompt", "hi", "--kv", "int4", "--temperature", "0.5",
-                              "--seed", "3", "--chat", "--max-tokens", "7"])
-    assert args._run is cli.run_generate
+    args = make_parser("generate").parse_args(["generate", "--model", "m", "--prompt", "hi", "--kv", "int4",
+                                               "--temperature", "0.5", "--seed", "3", "--chat", "--max-tokens", "7"])
+    assert args._run is cli.run
     assert (args.kv, args.temperature, args.seed, args.chat, args.max_tokens) == ("int4", 0.5, 3, True, 7)
 
 
