@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.offline import run_offline
 from benchmarks.run import copy_bandwidth
 from kvgen.atomic import write_atomic
 
@@ -163,21 +164,8 @@ def workload(n: int, seed: int = 0, prompt=(512, 2048), output=(128, 512)):
 
 
 def throughput_record(kv, reqs, *, max_model_len, max_num_seqs, max_tokens=None, context=None, label="kvgen"):
-    from kvgen.engine import SamplingParams
-
     eng = make_engine(kv, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_tokens=max_tokens)
-    eng.stream_text = False
-    for prompt, n in reqs:
-        eng.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    generated = 0
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                generated += len(out.outputs[0].token_ids)
-    torch.cuda.synchronize()
-    s = time.perf_counter() - t
+    generated, s = run_offline(eng, reqs, torch.cuda.synchronize)
     rec = dict(kind="throughput", engine=label, kv=kv, requests=len(reqs), context=context, ms=s * 1e3,
                tokens_per_s=generated / s, peak_concurrent=eng.peak_running, preemptions=eng.scheduler.num_preemptions,
                capacity_tokens=eng.cache.capacity_tokens)

@@ -290,7 +290,7 @@ def step_record(config: dict, tp: int, kv: str, B: int, L: int, steps: int, bw: 
 
 
 def throughput_record(config: dict, tp: int, kv: str, reqs: list, kv_gb: float, device: str, eager: bool) -> dict:
-    from kvgen.engine import SamplingParams
+    from benchmarks.offline import run_offline
 
     max_len = max(len(p) + n for p, n in reqs) + 16
     per_token = _plan_kv_bytes(config, tp, kv, device, max_len)
@@ -299,18 +299,7 @@ def throughput_record(config: dict, tp: int, kv: str, reqs: list, kv_gb: float, 
                           eager=eager)]
     eng = holder[0]
     try:
-        eng.stream_text = False
-        for prompt, n in reqs:
-            eng.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-        _sync(device)
-        t = time.perf_counter()
-        generated = 0
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                if out.finished:
-                    generated += len(out.outputs[0].token_ids)
-        _sync(device)
-        s = time.perf_counter() - t
+        generated, s = run_offline(eng, reqs, lambda: _sync(device))
         return dict(kind="throughput", engine="kvgen", tp=tp, kv=kv, requests=len(reqs), context=None, ms=s * 1e3,
                     tokens_per_s=generated / s, peak_concurrent=eng.peak_running,
                     preemptions=eng.scheduler.num_preemptions, capacity_tokens=eng.cache.capacity_tokens)
