@@ -58,6 +58,9 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_file: str, 
         if rank == 0:
             with open(out_file, "w") as f:
                 json.dump(gathered, f)
+        # Tear down together: a gloo rank destroying its group while a peer still uses the connection can
+        # abort the process ("terminate called without an active exception", seen once in CI).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
