@@ -1,0 +1,143 @@
+"""Where an engine decode step's time goes (GPU): kernel time per step by kernel, against the step's wall time.
+
+    python -m benchmarks.engine_profile [--kv bf16,int4] [--shapes 1x16384,32x2048] [--out profile.json]
+
+Builds the random-weight Llama-3-8B engine of ``benchmarks.engine``, fills B
+sequences to L tokens, then measures for each shape and scheme:
+
+- ``graph_ms``: wall ms per decode step through CUDA graphs (as ``engine.py``);
+- ``eager_ms``: the same without graphs;
+- ``kernels``: torch.profiler over ``--steps`` eager steps, kernel name ->
+  device µs per step, largest first, and ``kernel_ms`` their sum; with
+  ``groups`` summing them by kind (gemm, attention, cache write, norm, rope,
+  elementwise, sampling, other).
+
+``graph_ms - kernel_ms`` is what the step spends outside kernels (launch gaps,
+host work the GPU waits for); ``kernel_ms - roofline_ms`` is kernel
+inefficiency. Both are what issue 14's 1.2x-roofline goal needs split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.engine import log, make_engine, release, run_until, weight_bytes
+from benchmarks.run import copy_bandwidth
+from kvgen.atomic import write_atomic
+
+GROUPS = [  # (group, substrings of a kernel name), first match wins
+    ("attention", ("decode", "prefill", "attn", "flash", "split_reduce")),
+    ("cache_write", ("append", "write", "quant", "convert")),
+    ("gemm", ("gemm", "gemv", "sm90_xmma", "cutlass", "nvjet", "matmul", "splitk")),
+    ("norm", ("rms", "norm")),
+    ("rope", ("rope", "rotary")),
+    ("sampling", ("argmax", "softmax", "topk", "sort", "multinomial", "cumsum", "scatter", "gather")),
+    ("elementwise", ("elementwise", "vectorized", "mul", "add", "silu", "copy", "cat", "fill")),
+]
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    for group, keys in GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return "other"
+
+
+def timed_steps(eng, steps: int) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3 / steps
+
+
+def profile_case(kv: str, B: int, L: int, steps: int, bw: float) -> dict:
+    from kvgen.engine import SamplingParams
+
+    eng = make_engine(kv, max_model_len=L + 4 * steps + 64, max_num_seqs=B)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=4 * steps + 32, ignore_eos=True)
+    for _ in range(B):
+        eng.add_request(None, [rng.randrange(1000, 100000) for _ in range(L)], params)
+    run_until(eng, lambda: all(s.num_computed >= len(s.tokens) - 1 for s in eng.scheduler.running)
+              and not eng.scheduler.waiting)
+    eng.step()
+    graph_ms = timed_steps(eng, steps)
+    graphs, eng.runner.graphs = eng.runner.graphs, None  # eager: the profiler names every kernel
+    eng.step()
+    eager_ms = timed_steps(eng, steps)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed_steps(eng, steps)
+    eng.runner.graphs = graphs
+    per_kernel: dict[str, float] = collections.defaultdict(float)
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None)
+        if t is None:
+            t = getattr(evt, "cuda_time_total", 0.0)
+        if t and evt.key and not evt.key.startswith(("ProfilerStep", "cudaLaunch", "Memcpy", "Memset")) \
+                and evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[evt.key] += t / steps
+    groups: dict[str, float] = collections.defaultdict(float)
+    for name, us in per_kernel.items():
+        groups[group_of(name)] += us
+    kv_bytes = B * (L + steps) * eng.plan.kv_bytes_per_token
+    w = weight_bytes(eng)
+    rec = dict(kind="profile", kv=kv, B=B, context=L, steps=steps, graph_ms=graph_ms, eager_ms=eager_ms,
+               kernel_ms=sum(per_kernel.values()) / 1e3, roofline_ms=(w + kv_bytes) / bw * 1e3,
+               weight_roofline_ms=w / bw * 1e3, kv_roofline_ms=kv_bytes / bw * 1e3,
+               groups={k: round(v / 1e3, 4) for k, v in sorted(groups.items(), key=lambda kv_: -kv_[1])},
+               kernels=[dict(name=n[:160], us=round(us, 2), group=group_of(n))
+                        for n, us in sorted(per_kernel.items(), key=lambda kv_: -kv_[1])[:25]])
+    holder = [eng]
+    del eng
+    release(holder)
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kv", default="bf16,int4")
+    ap.add_argument("--shapes", default="1x16384,32x2048")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default="benchmarks/results/engine_profile.json")
+    args = ap.parse_args(argv)
+    import triton
+
+    bw = copy_bandwidth()
+    records: list[dict] = []
+    doc = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               copy_bandwidth=bw, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               command="python -m benchmarks.engine_profile " + " ".join(argv or sys.argv[1:]), records=records)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for shape in args.shapes.split(","):
+        B, L = (int(x) for x in shape.split("x"))
+        for kv in args.kv.split(","):
+            try:
+                rec = profile_case(kv, B, L, args.steps, bw)
+            except Exception as e:  # one failing case must not lose the rest
+                log(f"{kv} {shape} failed: {type(e).__name__}: {e}")
+                continue
+            log(json.dumps({k: v for k, v in rec.items() if k != "kernels"}))
+            for k in rec["kernels"][:12]:
+                log(f"  {k['us']:9.1f} us  {k['group']:12s} {k['name'][:100]}")
+            records.append(rec)
+            write_atomic(out, json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
