@@ -12,7 +12,8 @@ and measures, wall clock with a device synchronize:
   ``load()`` runs by default), timed apart from ``load_s``, with
   ``warmup_scenarios`` run (``--no-warmup`` skips it, as before it existed);
 - ``first_step_s``: the first ``plan_step`` + ``append_kv`` + ``decode`` of the
-  bucket after the warm-up (config lookup, any Triton compile left, the run);
+  bucket after the warm-up (config lookup, any Triton compile left, the run),
+  and ``first_step_compiles`` the kernels Triton had to build or load then;
 - ``steady_step_s``: the same step again with the model's config (median of 3);
 - ``tune_s``: ``autotune.tune`` of the decode bucket ahead of time (what
   ``kvgen tune`` runs), with ``tune_candidates`` timed; ``prefill_tune_s``
@@ -114,7 +115,9 @@ def case(scheme, shape, args, device, dtype_name, tmp):
         _sync(device)
         return time.perf_counter() - t, out
 
-    rec["first_step_s"], out = step()
+    with _compile_log() as compiled:
+        rec["first_step_s"], out = step()
+    rec["first_step_compiles"] = compiled  # kernels Triton built (or loaded from disk) during the first step
     rec["finite"] = bool(torch.isfinite(out).all())
     decode_mod = cache.kernels["decode"]
     shape_key = (B, L)
@@ -146,6 +149,31 @@ def case(scheme, shape, args, device, dtype_name, tmp):
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rec
+
+
+class _compile_log:
+    """Within the block, the list of kernels Triton's in-process cache missed (its ``jit_cache_hook``)."""
+
+    def __enter__(self):
+        self.names: list[str] = []
+        try:
+            from triton import knobs
+        except ImportError:  # older Triton: nothing to hook, an empty log
+            self.knobs = None
+            return self.names
+        self.knobs, self.old = knobs, knobs.runtime.jit_cache_hook
+
+        def hook(*args, **kw):
+            self.names.append(str(kw.get("repr", kw.get("fn", "?")))[:400])
+            return False  # compile as usual
+
+        knobs.runtime.jit_cache_hook = hook
+        return self.names
+
+    def __exit__(self, *exc):
+        if self.knobs is not None:
+            self.knobs.runtime.jit_cache_hook = self.old
+        return False
 
 
 def _sync(device):
