@@ -179,3 +179,17 @@ def test_cpu_without_the_interpreter_says_what_to_do(tmp_path):
     assert "set TRITON_INTERPRET=1" in lines[0] and "CUDA device" in lines[0]
     # Set only after the kernels were imported: Triton compiled them already, so it still cannot run.
     assert lines[1].startswith("set after import KvgenRuntimeError") and "imported without it" in lines[1]
+
+
+def test_a_bare_cuda_device_is_indexed(monkeypatch):
+    """``device="cuda"`` (as the engine passes it) becomes ``cuda:<current>``: torch.Generator, which the
+    load-time warm-up makes per scenario, refuses a device without an index (H200, 2026-12-01: every engine
+    load warned "kernel warm-up failed ... Expected a torch.device with a specified index")."""
+    import torch
+
+    from kvgen.runtime.cache import _indexed
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert _indexed(torch.device("cuda")) == torch.device("cuda", 3)
+    assert _indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert _indexed(torch.device("cpu")) == torch.device("cpu")

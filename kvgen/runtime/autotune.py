@@ -61,6 +61,9 @@ FORMAT = 2
 MAX_CANDIDATES = 8
 """Configs timed per bucket: the model's choice and its best-ranked neighbours."""
 BUDGET_S = 5.0
+PREDICTION_MARGIN = 1.5
+"""A candidate starts only if 1.5 x its predicted seconds still end within the budget (H200, 2026-12-01:
+predicting with the slowest first call so far, prefill buckets still ran to 5.7-7.0 s)."""
 """Seconds of tuning per bucket after which no further candidate is started."""
 
 _WARNED: set[str] = set()  # cache roots already warned about in this process
@@ -545,7 +548,9 @@ class Autotuner:
         for i, cfg in enumerate(cands):
             variant = tuple(sorted((k, v) for k, v in cfg.items() if k != "num_splits"))
             new = variant not in variants
-            predicted = (first_new if new else first_reuse) + timing
+            # x PREDICTION_MARGIN: compile times differ between variants (a larger tile compiles
+            # slower), and a bucket that runs past the budget is what the budget is there to prevent.
+            predicted = PREDICTION_MARGIN * ((first_new if new else first_reuse) + timing)
             # Never start a candidate that would likely end past the budget; the first always runs
             # (a bucket needs a winner).
             if i and self.clock() - start + predicted > self.budget_s:

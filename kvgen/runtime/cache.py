@@ -64,6 +64,14 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``: an indexed device compares equal to its tensors' devices and is what
+    torch.Generator and the warm-up's worker threads need."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def pool_sizes(plan: Mapping[str, Any], max_tokens: int | None = None,
                max_seqs: int | None = None) -> tuple[int, int]:
     """(compressed pages, residual pages) to allocate.
@@ -219,7 +227,7 @@ class KVCache(HostTierMixin):
         if missing:
             raise KvgenRuntimeError(f"kernels lack the ops {missing}; recompile the plan (kvgen compile)")
         self.kernels = dict(kernels)
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = _indexed(torch.device(device)) if device is not None else default_device()
         _check_kernels_can_run(self.device, self.kernels)
         self.dtype = getattr(torch, self.plan["compute_dtype"])
         if dtype is not None:

@@ -83,19 +83,55 @@ def test_stories_fp32_on_gpu_equals_hf():
     assert eng.runner.graph_steps > 0
 
 
+def run_with_logprobs(engine, prompts, params):
+    """Like :func:`run`, with each completion's per-token logprobs: [[(token_ids, logprobs), ...], ...]."""
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [(c.token_ids, c.logprobs) for c in out.outputs]
+    return [done[i] for i in ids]
+
+
+NEAR_TIE = 0.1
+"""Largest logprob gap (nats) between the reference's token and ours where a bf16 run may pick either: a
+different batch composition makes cuBLAS pick other kernels (split-K or not), so logits differ in their
+last bits; a corrupted KV cache moves them by far more."""
+
+
+def assert_same_until_a_near_tie(got, want):
+    """Greedy completions agree token for token, or first differ where the reference had a near tie."""
+    for g_req, w_req in zip(got, want, strict=True):
+        for (g, _), (w, w_lp) in zip(g_req, w_req, strict=True):
+            if g == w:
+                continue
+            i = next(j for j in range(min(len(g), len(w))) if g[j] != w[j])
+            top = w_lp[i]
+            assert g[i] in top, f"token {i}: ours {g[i]} is not in the reference's top logprobs {top}"
+            gap = top[w[i]] - top[g[i]]
+            assert gap <= NEAR_TIE, f"token {i}: ours {g[i]} vs reference {w[i]}, logprob gap {gap:.3f} (not a tie)"
+
+
 @pytest.mark.parametrize("kv", ["bf16", "int4"])
 def test_swap_preemption_with_graphs_equals_an_unpressured_run(kv):
-    """A host tier (pinned memory, side-stream copies) under a tiny device budget: graphs on, same tokens."""
-    params = SamplingParams(temperature=0, max_tokens=48, min_tokens=48, n=2)
+    """A host tier (pinned memory, side-stream copies) under a tiny device budget: graphs on, same tokens.
+
+    Same tokens up to bf16 noise: the pressured run decodes other batch
+    compositions, whose GEMMs round differently, so a completion may leave
+    the reference's path only where the reference had a near tie.
+    """
+    params = SamplingParams(temperature=0, max_tokens=48, min_tokens=48, n=2, logprobs=3)
     rng = random.Random(3)
     prompts = [[rng.randrange(1024) for _ in range(rng.randint(8, 60))] for _ in range(8)]
     big = build_engine(config=TINY, kv=kv, device="cuda", max_num_seqs=16, max_tokens=16384, autotune=False,
                        verbose=False)
-    want = run(big, prompts, params)
+    assert big.cache.warmup_report.skipped is None, big.cache.warmup_report.skipped
+    want = run_with_logprobs(big, prompts, params)
     small = build_engine(config=TINY, kv=kv, device="cuda", max_num_seqs=16, max_tokens=512, max_model_len=128,
                          host_tokens=8192, autotune=False, verbose=False)
-    got = run(small, prompts, params)
+    got = run_with_logprobs(small, prompts, params)
     sched = small.scheduler
-    assert got == want
+    assert_same_until_a_near_tie(got, want)
     assert sched.num_swapped_out > 0 and sched.num_swapped_in > 0 and small.runner.graph_steps > 0
     assert small.runner.eager_steps > 0 and all_free(small.cache)
