@@ -151,3 +151,39 @@ def test_plan_name_differs_by_compute_dtype(capsys):
              for d in ("bf16", "fp16", "fp32")}
     assert len(set(names.values())) == 3
     assert names["bf16"] == "llama_3_8b_h100_int4_tp1_p16"  # the default keeps its name
+
+
+def test_host_step_cost_overlaps_transfer_with_attention():
+    """The runtime stages cold pages one layer ahead: a step costs max(GPU, transfer) plus one layer's
+    share of the smaller, never their sum."""
+    from kvgen.planner.host_cost import host_step_cost
+
+    # transfer-bound: 10 GB cold at 50 GB/s = 200 ms; 20 GB read at 5 TB/s = 4 ms; 32 layers
+    c = host_step_cost(10e9, 10e9, 5e12, 50e9, 32)
+    assert c.transfer_ms == pytest.approx(200.0) and c.gpu_ms == pytest.approx(4.0)
+    assert c.step_ms == pytest.approx(200.0 + 4.0 / 32)
+    assert c.step_ms < c.transfer_ms + c.gpu_ms - 3.5
+    # GPU-bound: little cold data
+    g = host_step_cost(100e9, 0.05e9, 5e12, 50e9, 32)
+    assert g.step_ms == pytest.approx(g.gpu_ms + 1.0 / 32)
+    # nothing cold: the device read alone
+    assert host_step_cost(10e9, 0, 5e12, 50e9, 32).step_ms == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        host_step_cost(1, 1, 5e12, 0, 32)
+
+
+def test_host_plan_predicts_the_overlapped_step():
+    model, target = llama_3_8b_long(), resolve_target("h100")
+    plan = make_plan(model, target, Workload(context=32768, concurrency=20, weight_bits=16),
+                     default_registry().schemes, kv="bf16")
+    host = plan.host_tier_bytes
+    device = plan.capacity_sequences * 32768 * plan.kv_bytes_per_token_per_gpu
+    gpu = (device + host) / target.memory_bandwidth * 1e3
+    transfer = host / target.host_link_bandwidth * 1e3
+    assert plan.host_transfer_ms_per_step == pytest.approx(transfer, rel=1e-4)
+    assert plan.host_step_ms == pytest.approx(max(gpu, transfer) + min(gpu, transfer) / model.num_layers, rel=1e-4)
+    assert plan.host_step_ms < gpu + transfer
+    assert any(f"about {plan.host_step_ms:.2f} ms" in r for r in plan.reasons)
+    fits = make_plan(model, target, Workload(context=4096, concurrency=1, weight_bits=16),
+                     default_registry().schemes, kv="bf16")
+    assert fits.tiering == "none" and fits.host_step_ms == 0.0 and fits.host_transfer_ms_per_step == 0.0

@@ -46,6 +46,10 @@ class Plan:
     shape per page and KV head) for the runtime to allocate. ``scheme_options``
     are the options the scheme was configured with (``--kv nuq4:codebook=F``);
     ``scheme`` plus them re-resolves the configured scheme (codegen does).
+    With ``tiering == "host"``, ``host_transfer_ms_per_step`` is the host
+    tier's KV over the host link each decode step and ``host_step_ms`` the
+    predicted decode step (transfer overlapped with attention:
+    :func:`kvgen.planner.host_cost.host_step_cost`); both 0 otherwise.
     """
 
     name: str
@@ -89,6 +93,7 @@ class Plan:
     model_spec: dict[str, Any] = field(default_factory=dict)
     target_spec: dict[str, Any] = field(default_factory=dict)
     workload: dict[str, Any] = field(default_factory=dict)
+    host_step_ms: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

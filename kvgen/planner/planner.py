@@ -17,6 +17,7 @@ from fractions import Fraction
 from kvgen.errors import PlanError, SchemeCapabilityError, WorkloadError
 from kvgen.models import ModelSpec
 from kvgen.planner import memory as mm
+from kvgen.planner.host_cost import HostStepCost, host_step_cost
 from kvgen.planner.plan import Plan, package_name
 from kvgen.planner.workload import Workload
 from kvgen.schemes import Scheme, dtype_bytes, resolve_scheme
@@ -196,8 +197,12 @@ def _first_page(scheme: Scheme) -> int:
     return 16 if 16 in scheme.page_sizes else scheme.page_sizes[0]
 
 
-def choose_tiering(model: ModelSpec, target: Target, workload: Workload, cap: Capacity) -> tuple[str, int, float, str]:
-    """``none`` when the workload fits; ``host`` when it fits with host memory; else refuse."""
+def choose_tiering(model: ModelSpec, target: Target, workload: Workload,
+                   cap: Capacity) -> tuple[str, int, HostStepCost | None, str]:
+    """``none`` when the workload fits; ``host`` when it fits with host memory; else refuse.
+
+    Returns (tiering, host tier bytes, the host decode step's cost or None, reason).
+    """
     need = _needed_tokens(workload)
     if cap.budget <= 0:
         raise PlanError(
@@ -206,7 +211,7 @@ def choose_tiering(model: ModelSpec, target: Target, workload: Workload, cap: Ca
             f"{int(target.memory_bytes * workload.gpu_memory_utilization):,} usable bytes minus the "
             f"{mm.WORKSPACE_BYTES:,}-byte workspace; raise --tp or lower --weight-bits")
     if cap.capacity_sequences >= workload.concurrency:
-        return "none", 0, 0.0, (f"tiering none: {workload.concurrency} x {workload.context} = {need:,} tokens fit in "
+        return "none", 0, None, (f"tiering none: {workload.concurrency} x {workload.context} = {need:,} tokens fit in "
                                 f"{cap.capacity_tokens:,} tokens of GPU pages")
     seq_bytes = workload.context * cap.kv_per_token_gpu
     missing_seqs = workload.concurrency - cap.capacity_sequences
@@ -217,13 +222,14 @@ def choose_tiering(model: ModelSpec, target: Target, workload: Workload, cap: Ca
             f"{cap.capacity_tokens:,} tokens and the host tier would need {host_bytes:,} bytes, more than "
             f"--host-memory {workload.host_memory_bytes:,}; lower --concurrency or --context, or pick a smaller --kv")
     # Every decode step reads every live sequence's KV once: what lives on the
-    # host must cross the host link each step.
-    transfer_ms = host_bytes / target.host_link_bandwidth * 1e3
-    gpu_read_ms = cap.capacity_sequences * seq_bytes / target.memory_bandwidth * 1e3
-    return "host", host_bytes, transfer_ms, (
+    # host must cross the host link each step, overlapped with the attention.
+    cost = host_step_cost(cap.capacity_sequences * seq_bytes, host_bytes, target.memory_bandwidth,
+                          target.host_link_bandwidth, model.num_layers)
+    return "host", host_bytes, cost, (
         f"tiering host: {missing_seqs} of {workload.concurrency} sequences ({host_bytes:,} bytes) do not fit on the GPU; "
-        f"streaming them over the {target.host_link_text()} costs {transfer_ms:.2f} ms per decode step vs "
-        f"{gpu_read_ms:.2f} ms to read the GPU-resident KV")
+        f"streaming them over the {target.host_link_text()} costs {cost.transfer_ms:.2f} ms per decode step vs "
+        f"{cost.gpu_ms:.2f} ms to read all KV from device memory; staged one layer ahead of attention, a decode "
+        f"step takes about {cost.step_ms:.2f} ms")
 
 
 def make_plan(model: ModelSpec, target: Target, workload: Workload, schemes: dict[str, Scheme],
@@ -295,7 +301,7 @@ def _make_plan(model: ModelSpec, target: Target, workload: Workload, schemes: di
                kv: str, weight_reason: str) -> Plan:
     shard = shard_heads(model, workload.tp)
     scheme, page, cap, scheme_why = choose_scheme(kv, schemes, model, target, workload, shard)
-    tiering, host_bytes, transfer_ms, tier_why = choose_tiering(model, target, workload, cap)
+    tiering, host_bytes, cost, tier_why = choose_tiering(model, target, workload, cap)
     weight_bytes = model.num_params * workload.weight_bits // 8
     name = package_name(model.name, target.name, scheme.name, scheme.option_values, workload.tp, page,
                         workload.compute_dtype)
@@ -313,7 +319,8 @@ def _make_plan(model: ModelSpec, target: Target, workload: Workload, schemes: di
         workspace_bytes=mm.WORKSPACE_BYTES, kv_budget_bytes=cap.budget, num_pages=cap.num_pages,
         num_residual_pages=cap.num_residual_pages, capacity_tokens=cap.capacity_tokens,
         capacity_sequences=cap.capacity_sequences, tiering=tiering, host_tier_bytes=host_bytes,
-        host_transfer_ms_per_step=round(transfer_ms, 4), arch=target.arch,
+        host_transfer_ms_per_step=round(cost.transfer_ms, 4) if cost else 0.0,
+        host_step_ms=round(cost.step_ms, 4) if cost else 0.0, arch=target.arch,
         page_tensors=[{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
                       for t in scheme.page_tensors(model.head_dim, page)],
         reasons=[r for r in (shard.reason, scheme_why, tier_why, weight_reason) if r],
