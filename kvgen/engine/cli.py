@@ -15,7 +15,8 @@ HELP = "generate text with a model on kvgen's KV cache (continuous-batching engi
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face model folder (config.json, safetensors, tokenizer)")
+    p.add_argument("--model", required=True,
+                   help="Hugging Face model folder (config.json, safetensors, tokenizer) or a .gguf file")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--kv", default="int8", help="KV-cache scheme, e.g. bf16, int8, int4 (default int8)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")

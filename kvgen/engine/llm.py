@@ -15,7 +15,9 @@ Prompt = str | Sequence[int]
 class LLM:
     """A model on kvgen's KV cache with a continuous-batching engine.
 
-    ``model``: a Hugging Face folder (config.json, safetensors, tokenizer).
+    ``model``: a Hugging Face folder (config.json, safetensors, tokenizer),
+    or a GGUF file (``"model.gguf"``, or a folder with ``gguf_file="name.gguf"``
+    as in transformers; dequantized to ``dtype``, needs ``pip install 'kvgen[eval]'``).
     ``kv``: the KV scheme. ``dtype``: bfloat16/float16/float32 (default: the
     config's on a GPU, float32 on the CPU). ``max_num_seqs``,
     ``max_model_len``, ``max_tokens`` (KV capacity in tokens),

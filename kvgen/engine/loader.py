@@ -1,4 +1,4 @@
-"""From a model folder (or a config, for random weights) to a running :class:`LLMEngine`.
+"""From a model folder or GGUF file (or a config, for random weights) to a running :class:`LLMEngine`.
 
 Plans the KV cache for the model and the device (the detected GPU, or the
 ``cpu`` target preset on the CPU / under the Triton interpreter), compiles
@@ -8,6 +8,8 @@ optionally captures decode CUDA graphs, and prints a one-line summary.
 
 ``tp=N`` (N > 1) shards the model over N processes, this one being rank 0
 (:mod:`kvgen.engine.parallel`); tp=1 starts no process and imports none of it.
+A GGUF file (``model="m.gguf"``, or a folder and ``gguf_file=``) gives the
+config, tokenizer and dequantized weights (:mod:`kvgen.engine.gguf`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from kvgen.planner.workload import COMPUTE_DTYPES
 
+from . import gguf
 from .config import ModelConfig
 from .engine import LLMEngine
 from .errors import EngineError
@@ -63,6 +66,7 @@ def _hf_config(folder: Path | None, cfg: ModelConfig, raw: dict[str, Any] | None
 
 
 def _eos_ids(folder: Path | None, cfg: ModelConfig, tokenizer: Any) -> set[int]:
+    """The config's, generation_config.json's (a folder's; None for a GGUF) and the tokenizer's EOS ids."""
     ids = set(cfg.eos_token_ids)
     if folder is not None and (folder / "generation_config.json").is_file():
         eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
@@ -78,8 +82,14 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
                  max_num_batched_tokens: int | None = None, page_size: int | None = None, target: str | None = None,
                  enforce_eager: bool = False, config: dict[str, Any] | None = None, seed: int = 0,
                  autotune: bool = True, verbose: bool = True, tp: int = 1, host_tokens: int | str | None = None,
-                 staging_tokens: int | None = None, preemption_mode: str | None = None) -> LLMEngine:
+                 staging_tokens: int | None = None, preemption_mode: str | None = None,
+                 gguf_file: str | Path | None = None) -> LLMEngine:
     """An engine for the model folder ``model`` (or, with ``config=`` a config.json dict, random weights).
+
+    ``model`` may also be a ``.gguf`` file, or a folder with ``gguf_file``
+    naming the GGUF in it (as transformers' ``gguf_file=``): the config,
+    tokenizer and weights (dequantized) come from that file; it needs the
+    ``gguf`` package (``pip install 'kvgen[eval]'``).
 
     ``kv``: the KV-cache scheme (``bf16``, ``int8``, ``int4``, ... with
     options as on the command line). ``max_tokens``: tokens of KV pages
@@ -101,15 +111,25 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     from kvgen.runtime import default_device
 
     folder = None
+    gguf_path = hf_conf = None
     if config is None:
-        if model is None:
-            raise EngineError("pass a model folder (or config= for random weights)")
-        folder = Path(model).expanduser()
-        if not folder.is_dir():
-            raise EngineError(f"no model folder at {model}; pass a Hugging Face folder (config.json + safetensors)")
-        cfg = ModelConfig.from_folder(folder)
+        if model is None and gguf_file is None:
+            raise EngineError("pass a model folder or .gguf file (or config= for random weights)")
+        gguf_path = gguf.resolve(model, gguf_file)
+        if gguf_path is not None:
+            hf_conf = gguf.hf_config(gguf_path)  # the planner reads the shape from it too
+            cfg = ModelConfig.from_dict(hf_conf.to_dict(), str(gguf_path))
+        else:
+            folder = Path(model).expanduser()
+            if not folder.is_dir():
+                raise EngineError(f"no model folder at {model}; pass a Hugging Face folder (config.json + "
+                                  f"safetensors) or a .gguf file")
+            cfg = ModelConfig.from_folder(folder)
     else:
+        if gguf_file is not None:
+            raise EngineError("gguf_file= names a checkpoint; it does not go with config= (random weights)")
         cfg = ModelConfig.from_dict(config, "config")
+    weights_source = gguf_path or folder  # what load_weights reads: a safetensors folder or a GGUF file
     dev = torch.device(device) if device is not None else default_device()
     dev = check_tp(tp, dev)
     torch_dtype = resolve_dtype(dtype, cfg, dev)
@@ -120,7 +140,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     if max_model_len is not None and max_model_len > limit:
         raise EngineError(f"max_model_len {max_model_len} exceeds the model's {limit} positions"
                           f"{' (sliding window)' if cfg.sliding_window else ''}; lower it")
-    shim = types.SimpleNamespace(config=_hf_config(folder, cfg, config), dtype=torch_dtype, device=dev)
+    shim = types.SimpleNamespace(config=hf_conf or _hf_config(folder, cfg, config), dtype=torch_dtype, device=dev)
     plan = plan_for_model(shim, kv, device=dev, target=target, context=max_model_len or limit,
                           concurrency=max_num_seqs or 1, page_size=page_size, tp=tp)
     package = compile_for_model(plan)
@@ -147,7 +167,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
         raise EngineError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
-    tokenizer = None
+    tokenizer = gguf.tokenizer(gguf_path) if gguf_path is not None else None
     if folder is not None and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
                                                                      "tokenizer_config.json")):
         from transformers import AutoTokenizer
@@ -163,17 +183,17 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
         from .parallel import RankSpec, start_ranks
 
         spec = RankSpec(world=tp, store="", backend="nccl" if dev.type == "cuda" else "gloo", device_type=dev.type,
-                        cfg=cfg, plan=plan, folder=None if folder is None else str(folder), seed=seed,
+                        cfg=cfg, plan=plan, folder=None if weights_source is None else str(weights_source), seed=seed,
                         dtype=torch_dtype, max_tokens=max_tokens, cache_seqs=cache_seqs, autotune=autotune,
                         max_model_len=max_model_len, max_num_seqs=max_num_seqs, use_graphs=use_graphs,
                         host_tier=tier)
         runner, cache = start_ranks(spec, cache, verbose)
     else:
         net = build_model(cfg, max_model_len, dev, torch_dtype)
-        if folder is None:
+        if weights_source is None:
             random_weights(net, seed)
         else:
-            load_weights(net, folder)
+            load_weights(net, weights_source)
         graphs = None
         if use_graphs:
             from .graphs import DecodeGraphs

@@ -1,8 +1,10 @@
-"""Build a :class:`CausalLM` on a device and fill it: from safetensors files, or random (benchmarks).
+"""Build a :class:`CausalLM` on a device and fill it: from safetensors files, a GGUF file, or random (benchmarks).
 
 A tensor-parallel rank (``model.shard``) reads only its slice of each split
 tensor (``safe_open(...).get_slice``), and its random weights are the
-slices of the whole model's: every rank count gives the same model.
+slices of the whole model's: every rank count gives the same model. A
+GGUF file is dequantized whole (:mod:`kvgen.engine.gguf`) and each rank
+keeps its slices.
 """
 
 from __future__ import annotations
@@ -69,27 +71,39 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: CausalLM, folder: str | Path) -> CausalLM:
-    """Copy every tensor of the folder's safetensors into the matching parameter (cast to its dtype).
+def load_weights(model: CausalLM, source: str | Path) -> CausalLM:
+    """Copy every tensor of ``source`` into the matching parameter (cast to its dtype).
 
-    Raises EngineError for a tensor of the wrong shape or a parameter no
-    file provides (tied embeddings share ``embed_tokens``).
+    ``source``: a folder of safetensors files, or a ``.gguf`` file (its
+    tensors dequantized through transformers). Raises EngineError for a
+    tensor of the wrong shape or a parameter the checkpoint does not provide
+    (tied embeddings share ``embed_tokens``).
     """
-    from safetensors import safe_open
+    from . import gguf
 
     params = dict(model.named_parameters())
+    seen = _load_gguf(model, params, Path(source)) if gguf.is_gguf(source) else _load_safetensors(model, params,
+                                                                                                    Path(source))
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise EngineError(f"the weights lack {len(missing)} tensor(s), e.g. {missing[:3]}; "
+                          f"{source} does not hold a complete checkpoint")
+    model.setup_rotary()
+    return model
+
+
+def _load_safetensors(model: CausalLM, params: dict[str, torch.nn.Parameter], folder: Path) -> set[str]:
+    from safetensors import safe_open
+
     seen: set[str] = set()
-    for path in safetensors_files(Path(folder)):
+    for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 if name == "lm_head.weight" and model.lm_head is None:
                     continue  # tied: the embedding serves as the head
-                p = params.get(name)
-                if p is None:
-                    raise EngineError(f"{path.name}: unexpected tensor {name}; is this a "
-                                      f"{model.cfg.model_type} checkpoint matching config.json?")
+                p = _param_for(model, params, name, path.name)
                 split = _split(model, name)
                 want = list(p.shape)
                 if split is None:
@@ -99,17 +113,48 @@ def load_weights(model: CausalLM, folder: str | Path) -> CausalLM:
                     dim, start, stop, want[dim] = split
                     part = f.get_slice(name)
                     got = list(part.get_shape())
-                if got != want:
-                    raise EngineError(f"{path.name}: {name} has shape {got}, the config implies "
-                                      f"{want}; the config and weights do not match")
+                _check_shape(path.name, name, got, want)
                 if split is not None:
                     t = part[start:stop] if dim == 0 else part[:, start:stop]
                 with torch.no_grad():
                     p.copy_(t.to(p.dtype))
                 seen.add(name)
-    missing = sorted(set(params) - seen)
-    if missing:
-        raise EngineError(f"the weights lack {len(missing)} tensor(s), e.g. {missing[:3]}; "
-                          f"the folder does not hold a complete checkpoint")
-    model.setup_rotary()
-    return model
+    return seen
+
+
+def _load_gguf(model: CausalLM, params: dict[str, torch.nn.Parameter], path: Path) -> set[str]:
+    """Dequantize the GGUF's tensors (in the model's dtype) and copy them, each rank its slices."""
+    from . import gguf
+
+    dtype = next(iter(params.values())).dtype
+    tensors = gguf.read_tensors(path, list(params), model.cfg.model_type, model.cfg.num_layers, dtype)
+    seen: set[str] = set()
+    for name, t in tensors.items():
+        if name == "lm_head.weight" and model.lm_head is None:
+            continue
+        p = _param_for(model, params, name, path.name)
+        split = _split(model, name)
+        want = list(p.shape)
+        if split is not None:
+            dim, start, stop, want[dim] = split
+        _check_shape(path.name, name, list(t.shape), want)
+        if split is not None:
+            t = t.narrow(dim, start, stop - start)
+        with torch.no_grad():
+            p.copy_(t.to(p.dtype))
+        seen.add(name)
+    return seen
+
+
+def _param_for(model: CausalLM, params: dict[str, torch.nn.Parameter], name: str, source: str) -> torch.nn.Parameter:
+    p = params.get(name)
+    if p is None:
+        raise EngineError(f"{source}: unexpected tensor {name}; is this a "
+                          f"{model.cfg.model_type} checkpoint matching its config?")
+    return p
+
+
+def _check_shape(source: str, name: str, got: list[int], want: list[int]) -> None:
+    if got != want:
+        raise EngineError(f"{source}: {name} has shape {got}, the config implies "
+                          f"{want}; the config and weights do not match")
