@@ -24,6 +24,17 @@ the direction of the transfer):
 - ``decode_during_swap_out``: the all-device decode step while another
   sequence swaps out in the background; ``slowdown`` = ms / gpu_ms - 1
   (done-when: <= 0.03).
+
+Each ``decode_host`` record also has ``predicted_ms``: the planner's step
+cost (:func:`kvgen.planner.host_cost.host_step_cost`, the function plans
+use) for the record's device-resident and cold bytes at the pinned h2d
+bandwidth measured in this run and the target preset's memory bandwidth
+(top-level ``memory_bandwidth``), and ``prediction_error`` = ms / predicted_ms - 1
+(done-when: within 15%). The ``engine`` part (benchmarks/host_tier_engine.py)
+adds ``engine_swap`` / ``engine_recompute``: generated tokens/s of the
+Llama-3-8B-shaped engine (random weights) on requests needing 2x its KV
+budget, preempting by swap vs by recompute. ``--parts tier,engine`` picks
+parts; a compact table of every record is printed on stdout at the end.
 """
 
 from __future__ import annotations
@@ -49,6 +60,17 @@ class Bench:
         self.torch = torch
         self.smoke = smoke
         self.device = torch.device("cpu" if smoke else "cuda")
+        self.memory_bandwidth = self.target().memory_bandwidth  # the planner's device read figure
+
+    def target(self):
+        """The planner's target: the cpu preset (3 GiB) for the smoke, the h200 preset otherwise."""
+        import dataclasses
+
+        from kvgen.targets import resolve_target
+
+        if self.smoke:
+            return dataclasses.replace(resolve_target("cpu"), memory_bytes=3 * 2**30)
+        return resolve_target("h200")
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -78,8 +100,6 @@ class Bench:
         return out
 
     def cache(self, kv: str, *, max_tokens: int, host_tokens: int, staging_tokens: int):
-        import dataclasses
-
         from kvgen.codegen.loader import load_kernel
         from kvgen.codegen.package import kernel_specs, plan_scheme
         from kvgen.models import ModelSpec, resolve_model
@@ -87,7 +107,6 @@ class Bench:
         from kvgen.planner.workload import Workload
         from kvgen.registry import default_registry
         from kvgen.runtime import load
-        from kvgen.targets import resolve_target
 
         reg = default_registry()
         if self.smoke:
@@ -95,11 +114,11 @@ class Bench:
                              intermediate_size=32, vocab_size=64, max_positions=4096, rope_theta=10000.0,
                              sliding_window=None, tied_embeddings=True, num_params=10_000,
                              architecture="LlamaForCausalLM")
-            target = dataclasses.replace(resolve_target("cpu"), memory_bytes=3 * 2**30)
+            target = self.target()
             work = Workload(context=1024, concurrency=2, compute_dtype="float32", page_size=8)
         else:
             spec = resolve_model("llama-3-8b")
-            target = resolve_target("h200")
+            target = self.target()
             work = Workload(context=max_tokens, concurrency=1, compute_dtype="bfloat16")
         plan = make_plan(spec, target, work, reg.schemes, kv=kv)
         scheme = plan_scheme(plan, reg)
@@ -134,6 +153,8 @@ def page_bytes(cache, pool: str = "compressed") -> int:
 
 
 def run(args) -> dict:
+    from kvgen.planner.host_cost import host_step_cost
+
     b = Bench(args.smoke)
     torch = b.torch
     pinned = b.pinned(args.pinned_bytes)
@@ -142,7 +163,7 @@ def run(args) -> dict:
                     bytes=args.pinned_bytes, bw_fraction=1.0),
                dict(op="pinned_d2h", scheme=None, host_fraction=None, ms=args.pinned_bytes / pinned["d2h"] * 1e3,
                     bytes=args.pinned_bytes, bw_fraction=1.0)]
-    for kv in args.schemes.split(","):
+    for kv in (args.schemes.split(",") if "tier" in args.parts else []):
         B, L, S = args.batch, args.context, args.swap_tokens
         cold_max = int(0.75 * B * L) + B * 64
         cache = b.cache(kv, max_tokens=B * L + S + B * 256, host_tokens=S + cold_max + 1024,
@@ -180,9 +201,12 @@ def run(args) -> dict:
             moved = cold * page_bytes(cache)
             transfer_ms = moved / pinned["h2d"] * 1e3
             bound = max(gpu_ms, transfer_ms)
+            resident = sum(len(cache.block_manager.block_table(sid)) for sid in ids) * page_bytes(cache) - moved
+            pred = host_step_cost(resident, moved, b.memory_bandwidth, pinned["h2d"], cache.num_layers)
             rec = dict(op="decode_host", scheme=kv, host_fraction=frac, B=B, context=L, ms=ms, bytes=moved,
                        bw_fraction=moved / (ms * 1e-3) / pinned["h2d"], gpu_ms=gpu_ms, transfer_ms=transfer_ms,
-                       bound_ms=bound, ratio=ms / bound)
+                       bound_ms=bound, ratio=ms / bound, predicted_ms=pred.step_ms,
+                       predicted_gpu_ms=pred.gpu_ms, prediction_error=ms / pred.step_ms - 1)
             log(json.dumps(rec))
             records.append(rec)
         # -- decode while another sequence swaps out in the background
@@ -210,7 +234,40 @@ def run(args) -> dict:
         del cache
         if b.device.type == "cuda":
             torch.cuda.empty_cache()
-    return dict(pinned_h2d=pinned["h2d"], pinned_d2h=pinned["d2h"], records=records)
+    if "engine" in args.parts:
+        from benchmarks.host_tier_engine import engine_records
+
+        records += engine_records(smoke=args.smoke, kv=args.engine_kv, num_requests=args.engine_requests,
+                                  prompt=args.engine_prompt, output=args.engine_output, ratio=args.engine_ratio)
+    return dict(memory_bandwidth=b.memory_bandwidth, pinned_h2d=pinned["h2d"], pinned_d2h=pinned["d2h"], records=records)
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def summary(result: dict) -> str:
+    """The run's records as one compact table (what the done-when asks of each), for the tail of the output."""
+    lines = [f"pinned h2d {result['pinned_h2d'] / 1e9:.1f} GB/s, d2h {result['pinned_d2h'] / 1e9:.1f} GB/s; "
+             f"planner device read {result['memory_bandwidth'] / 1e12:.2f} TB/s",
+             f"{'op':<24}{'scheme':<7}{'host':>5}{'ms':>11}{'GB':>8}{'bw_frac':>8}{'bound_ms':>10}{'ratio':>7}"
+             f"{'pred_ms':>10}{'pred_err':>9}  notes"]
+    for r in result["records"]:
+        if r["op"].startswith("pinned"):
+            continue
+        notes = ""
+        if r["op"] == "decode_during_swap_out":
+            notes = f"slowdown {r['slowdown']:+.1%} over {r['steps']} steps (gpu_ms {r['gpu_ms']:.3f})"
+        elif r["op"].startswith("engine_"):
+            notes = (f"{r['tokens_per_s']:.0f} tok/s, {r['generated']} tokens in {r['wall_s']:.2f} s, "
+                     f"{r['num_preemptions']} preemptions, swapped out/in {r['swapped_out']}/{r['swapped_in']}, "
+                     f"failures {r['swap_failures']}, kv_ratio {r['kv_ratio']:.2f}")
+        lines.append(
+            f"{r['op']:<24}{r.get('scheme') or '-':<7}{_fmt(r.get('host_fraction'), '.2f'):>5}{r['ms']:>11.3f}"
+            f"{_fmt(r['bytes'] / 1e9 if r.get('bytes') else None, '.2f'):>8}{_fmt(r.get('bw_fraction'), '.3f'):>8}"
+            f"{_fmt(r.get('bound_ms'), '.3f'):>10}{_fmt(r.get('ratio'), '.3f'):>7}{_fmt(r.get('predicted_ms'), '.3f'):>10}"
+            f"{_fmt(r.get('prediction_error'), '+.1%'):>9}  {notes}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -221,6 +278,13 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=None, help="decode context (default 16384; smoke 64)")
     ap.add_argument("--swap-tokens", type=int, default=None, help="swapped sequence (default 100000; smoke 256)")
     ap.add_argument("--repeat", type=int, default=None, help="timed decode steps (default 10; smoke 1)")
+    ap.add_argument("--parts", default="tier,engine",
+                    help="tier (pinned, swaps, decode_host, background swap) and/or engine (default both)")
+    ap.add_argument("--engine-kv", default="bf16", help="engine part's KV scheme (default bf16; smoke fp32)")
+    ap.add_argument("--engine-requests", type=int, default=None, help="engine requests (default 64; smoke 4)")
+    ap.add_argument("--engine-prompt", default=None, help="prompt tokens MIN,MAX (default 1024,2048; smoke 4,10)")
+    ap.add_argument("--engine-output", default=None, help="output tokens MIN,MAX (default 64,128; smoke 8,12)")
+    ap.add_argument("--engine-ratio", type=float, default=2.0, help="workload KV over the device budget (default 2)")
     ap.add_argument("--out", default=None, help="JSON file (default benchmarks/results/<date>-host-tier.json)")
     args = ap.parse_args(argv)
     s = args.smoke
@@ -230,6 +294,14 @@ def main(argv=None) -> int:
     args.swap_tokens = args.swap_tokens or (256 if s else 100_000)
     args.repeat = args.repeat or (1 if s else 10)
     args.pinned_bytes = 2**20 if s else 2**30
+    args.parts = set(args.parts.split(","))
+    if not args.parts <= {"tier", "engine"}:
+        ap.error(f"--parts takes tier and/or engine, got {sorted(args.parts)}")
+    if s and args.engine_kv == "bf16":
+        args.engine_kv = "fp32"  # no bfloat16 under the interpreter
+    args.engine_requests = args.engine_requests or (4 if s else 64)
+    args.engine_prompt = tuple(int(x) for x in (args.engine_prompt or ("4,10" if s else "1024,2048")).split(","))
+    args.engine_output = tuple(int(x) for x in (args.engine_output or ("8,12" if s else "64,128")).split(","))
     if s:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     import torch
@@ -246,6 +318,7 @@ def main(argv=None) -> int:
                                    command="python -m benchmarks.host_tier " + " ".join(argv or sys.argv[1:]),
                                    **result), indent=1) + "\n")
     log(f"wrote {out}")
+    print(summary(result), flush=True)
     return 0
 
 
