@@ -8,6 +8,11 @@ and gate/up by rows (column-parallel) and o/down by columns (row-parallel).
 q/k/v (and gate/up) are row views of one fused matrix per layer, so a step
 runs one GEMM for them (at batch 1 every kernel launch counts).
 
+The elementwise work between the GEMMs runs as four fused kernels per
+layer (:mod:`.fused`): residual add + RMSNorm twice, q/k/v split + q/k
+norm + RoPE into contiguous q, k, v (what the cache write and attention
+read, so no copies), and SiLU(gate) * up.
+
 ``forward(input_ids, positions, attend)`` runs every layer over the step's
 flat tokens; ``attend(layer, q, k, v)`` (``q [T, Hq, D]``, ``k``/``v``
 ``[T, Hkv, D]``, after RoPE) returns ``[T, Hq, D]``. The engine passes the
@@ -29,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import fused
 from .config import ModelConfig
 from .rope import Rotary
 from .shard import TPShard
@@ -86,8 +92,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * h.to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual += x``, then ``(norm(residual), residual)`` in one kernel (see :func:`fused.add_rms_norm`)."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -111,14 +120,14 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, layer: int, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, layer: int, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
                 attend: Attend) -> torch.Tensor:
         T, D = x.shape[0], self.cfg.head_dim
-        q, k, v = nn.functional.linear(x, self.qkv_weight, self.qkv_bias).split(self.sizes, dim=-1)
-        q, k, v = q.reshape(T, -1, D), k.reshape(T, -1, D), v.reshape(T, -1, D)
-        if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = Rotary.rotate(q, k, *cos_sin)
+        qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)
+        # one kernel: contiguous q, k, v (no copies before the cache write), q/k norms, RoPE
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.cfg.qk_norm else (None, None)
+        q, k, v = fused.qkv_rope(qkv, positions, rotary.cos, rotary.sin, self.sizes[0] // D, self.sizes[1] // D, D,
+                                 *norms, eps=self.cfg.rms_norm_eps)
         out = attend(layer, q, k, v)
         return self.o_proj(out.reshape(T, -1).to(x.dtype))
 
@@ -137,8 +146,8 @@ class MLP(nn.Module):
         self.inter = I
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.inter, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        gate_up = nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias)
+        return self.down_proj(fused.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -173,22 +182,24 @@ class CausalLM(nn.Module):
         self.rotary: Rotary | None = None
 
     def setup_rotary(self) -> None:
-        """Build the cos/sin tables on the parameters' device and dtype (after they are placed)."""
-        w = self.model.norm.weight
-        self.rotary = Rotary(self.cfg, self.max_positions, w.device, w.dtype)
+        """Build the cos/sin tables on the parameters' device (after they are placed)."""
+        self.rotary = Rotary(self.cfg, self.max_positions, self.model.norm.weight.device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the last layer (before the final norm)."""
+        """Hidden states ``[T, hidden]`` after the last layer (before the final norm).
+
+        Each norm also adds the previous block's output into the residual
+        stream (one kernel); the last block's output is added at the end.
+        """
         h = self.model.embed_tokens(input_ids)
-        cos_sin = self.rotary.lookup(positions)  # once per step, shared by every layer
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            residual = h
-            h = layer.self_attn(i, layer.input_layernorm(h), cos_sin, attend)
-            h = residual + h
-            residual = h
-            h = residual + layer.mlp(layer.post_attention_layernorm(h))
-        return h
+            x, residual = layer.input_layernorm.add_forward(h, residual)
+            h = layer.self_attn(i, x, positions, self.rotary, attend)
+            x, residual = layer.post_attention_layernorm.add_forward(h, residual)
+            h = layer.mlp(x)
+        return h + residual
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

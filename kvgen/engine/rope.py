@@ -1,4 +1,7 @@
-"""Rotary position embedding (rotate-half form, as Hugging Face Llama), with linear and llama3 scaling."""
+"""Rotary position embedding tables (rotate-half form, as Hugging Face Llama), with linear and llama3 scaling.
+
+The rotation itself runs in :func:`kvgen.engine.fused.qkv_rope` (one kernel for q, k and v).
+"""
 
 from __future__ import annotations
 
@@ -32,30 +35,18 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 class Rotary:
-    """cos/sin tables for positions ``[0, max_positions)`` in the model dtype; ``apply`` rotates q and k in place-free form."""
+    """float32 cos/sin tables ``[max_positions, head_dim // 2]``, built once at load.
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
+    Rotate-half form (as Hugging Face Llama): with ``x = [x1 | x2]``,
+    ``rotate(x) = [x1 cos - x2 sin | x2 cos + x1 sin]``. The halves are not
+    duplicated (HF's ``cat((freqs, freqs))``): the fused kernel reads
+    ``cos[pos]``/``sin[pos]`` once for both halves. float32 whatever the
+    model dtype: the kernel rotates in float32 and rounds once.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device) -> None:
         inv = inv_frequencies(cfg)
         t = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(t, inv)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
-
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, D]`` of ``positions [T]`` (int64): once per step, for every layer."""
-        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
-
-    @staticmethod
-    def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q [T, Hq, D]``, ``k [T, Hkv, D]`` -> rotated q, k (cos/sin from :meth:`lookup`)."""
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q [T, Hq, D]``, ``k [T, Hkv, D]``, ``positions [T]`` int64 -> rotated q, k."""
-        return self.rotate(q, k, *self.lookup(positions))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+        self.cos = freqs.cos().to(device).contiguous()
+        self.sin = freqs.sin().to(device).contiguous()

@@ -2,8 +2,10 @@
 
 Attention here is a plain causal SDPA (one sequence), so these tests check
 weights, norms, RoPE (llama3 scaling included), biases, q/k norms and tied
-or separate heads without the Triton interpreter; the runtime's attention
-is compared with HF end to end in test_generate.py.
+or separate heads; the runtime's attention is compared with HF end to end
+in test_generate.py. The dense parts run both ways: through the fused
+kernels (kvgen.engine.fused, on the Triton interpreter here) and through
+their plain-torch fallback.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from kvgen.engine import fused  # noqa: E402
 from kvgen.engine.config import ModelConfig  # noqa: E402
 from kvgen.engine.errors import EngineError  # noqa: E402
 from kvgen.engine.rope import inv_frequencies  # noqa: E402
@@ -40,8 +43,12 @@ def sdpa_attend(layer, q, k, v):
     return out.transpose(0, 1)
 
 
+@pytest.mark.parametrize("impl", ["fused", "torch"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_forward_matches_transformers(name, tmp_path):
+def test_forward_matches_transformers(name, impl, tmp_path, monkeypatch):
+    if impl == "torch":
+        monkeypatch.setenv("KVGEN_FUSED_TORCH", "1")
+    assert fused.use_triton(torch.empty(1)) == (impl == "fused")
     raw = {**BASE, **CASES[name]}
     hf_cfg = transformers.AutoConfig.for_model(**raw)
     torch.manual_seed(0)
