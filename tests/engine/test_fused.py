@@ -4,11 +4,14 @@ Each case runs both implementations: the Triton kernels (on the CPU
 interpreter here, which the conftest turns on) and the plain-torch
 fallback (``KVGEN_FUSED_TORCH=1``). Inputs are random and nonzero; outputs
 are poisoned with NaN first, so an element a kernel forgets to write fails.
+On a GPU (``KVGEN_TEST_DEVICE=cuda``) the same tests run the compiled
+kernels, bfloat16 included.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -17,8 +20,10 @@ from kvgen.engine import fused
 from kvgen.engine.config import ModelConfig
 from kvgen.engine.rope import Rotary, inv_frequencies
 
-DTYPES = [torch.float32, torch.float16]  # never bfloat16 under the interpreter
-TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=4e-3, rtol=4e-3)}
+DEVICE = torch.device(os.environ.get("KVGEN_TEST_DEVICE", "cpu"))
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])  # never bf16 interpreted
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=4e-3, rtol=4e-3),
+       torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
 @pytest.fixture(params=["triton", "torch"])
@@ -27,7 +32,7 @@ def impl(request, monkeypatch):
         monkeypatch.setenv("KVGEN_FUSED_TORCH", "1")
     else:
         monkeypatch.delenv("KVGEN_FUSED_TORCH", raising=False)
-    assert fused.use_triton(torch.empty(1)) == (request.param == "triton")
+    assert fused.use_triton(torch.empty(1, device=DEVICE)) == (request.param == "triton")
     return request.param
 
 
@@ -35,7 +40,7 @@ def _rand(*shape, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape, generator=g, dtype=torch.float64)
     x = torch.where(x.abs() < 0.05, 0.05 + x.abs(), x)  # never zero
-    return x.to(dtype)
+    return x.to(device=DEVICE, dtype=dtype)
 
 
 def _ref_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,14 +67,14 @@ def test_qkv_rope(impl, dtype, qk_norm, T, Hq, Hkv, D):
                                      head_dim=D, rope_theta=500000.0,
                                      rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                                        high_freq_factor=4.0, original_max_position_embeddings=16)))
-    rot = Rotary(cfg, 300, torch.device("cpu"))
+    rot = Rotary(cfg, 300, DEVICE)
     width = (Hq + 2 * Hkv) * D
     wide = _rand(T, width + 5, dtype=dtype, seed=T + D)  # rows with a stride beyond the width (a GEMM slice)
     qkv = wide[:, 3:3 + width]
     before = qkv.clone()
-    pos = torch.randint(0, 300, (T,), generator=torch.Generator().manual_seed(D))
+    pos = torch.randint(0, 300, (T,), generator=torch.Generator().manual_seed(D)).to(DEVICE)
     qw, kw = (_rand(D, dtype=dtype, seed=1), _rand(D, dtype=dtype, seed=2)) if qk_norm else (None, None)
-    out = torch.full((T * width,), float("nan"), dtype=dtype)
+    out = torch.full((T * width,), float("nan"), dtype=dtype, device=DEVICE)
     q, k, v = fused.qkv_rope(qkv, pos, rot.cos, rot.sin, Hq, Hkv, D, qw, kw, eps=1e-6, out=out)
     assert q.shape == (T, Hq, D) and k.shape == v.shape == (T, Hkv, D)
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
@@ -119,7 +124,7 @@ def test_add_rms_norm(impl, dtype, T, N):
 @pytest.mark.parametrize("shape", [(5, 48), (3, 7, 12), (1, 2048)])
 def test_rms_norm_poisoned_out(impl, dtype, shape):
     x, w = _rand(*shape, dtype=dtype, seed=len(shape)), _rand(shape[-1], dtype=dtype, seed=9)
-    out = torch.full(shape, float("nan"), dtype=dtype)
+    out = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
     got = fused.rms_norm(x, w, 1e-6, out=out)
     assert got is out
     torch.testing.assert_close(out.double(), _ref_norm(x, w, 1e-6), **TOL[dtype])
@@ -130,7 +135,7 @@ def test_rms_norm_poisoned_out(impl, dtype, shape):
 def test_silu_mul(impl, dtype, T, inter):
     wide = _rand(T, 2 * inter + 3, dtype=dtype, seed=inter)
     gate_up = wide[:, :2 * inter]  # a row stride beyond the width
-    out = torch.full((T, inter), float("nan"), dtype=dtype)
+    out = torch.full((T, inter), float("nan"), dtype=dtype, device=DEVICE)
     got = fused.silu_mul(gate_up, out=out)
     assert got is out
     g, u = gate_up.double().split(inter, dim=-1)
@@ -138,15 +143,19 @@ def test_silu_mul(impl, dtype, T, inter):
 
 
 def test_empty_step_launches_nothing(impl):
-    q, k, v = fused.qkv_rope(torch.empty(0, 32), torch.empty(0, dtype=torch.long), torch.ones(4, 4),
-                             torch.zeros(4, 4), 2, 1, 8)
+    q, k, v = fused.qkv_rope(torch.empty(0, 32, device=DEVICE), torch.empty(0, dtype=torch.long, device=DEVICE),
+                             torch.ones(4, 4, device=DEVICE), torch.zeros(4, 4, device=DEVICE), 2, 1, 8)
     assert q.shape == (0, 2, 8) and v.shape == (0, 1, 8)
-    assert fused.silu_mul(torch.empty(0, 10)).shape == (0, 5)
+    assert fused.silu_mul(torch.empty(0, 10, device=DEVICE)).shape == (0, 5)
 
 
 def test_torch_runs_where_the_kernels_cannot(monkeypatch):
     monkeypatch.delenv("KVGEN_FUSED_TORCH", raising=False)
-    assert fused.use_triton(torch.empty(1))  # the conftest interprets: kernels run on the CPU
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU without the interpreter: torch
-    assert not fused.use_triton(torch.empty(1))
+    # the runtime's rule: compiled on a GPU, interpreted on the CPU (the conftest interprets on CPU runs)
+    assert fused.use_triton(torch.empty(1, device=DEVICE))
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU without the interpreter: torch
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # GPU tensors are never interpreted
+    assert not fused.use_triton(torch.empty(1, device=DEVICE))
     assert not fused.use_triton(torch.empty(1, device="meta"))
