@@ -23,7 +23,8 @@ class ServeError(KvgenError):
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face model folder (config.json, safetensors, tokenizer) or a .gguf file")
+    p.add_argument("--model", required=True,
+                   help="Hugging Face model folder (config.json, safetensors, tokenizer) or a .gguf file")
     p.add_argument("--kv", default="int8", help="KV-cache scheme, e.g. bf16, int8, int4 (default int8)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
