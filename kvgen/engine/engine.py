@@ -168,12 +168,17 @@ class LLMEngine:
         rows: list[int] = []
         for seq, n, last in zip(sched.seqs, sched.num_new, sched.sample):
             c = seq.num_computed
-            ids.extend(seq.tokens[c:c + n])
-            pos.extend(range(c, c + n))
+            if n == 1:  # a decode token: no slices
+                ids.append(seq.tokens[c])
+                pos.append(c)
+            else:
+                ids.extend(seq.tokens[c:c + n])
+                pos.extend(range(c, c + n))
             if last:
                 rows.append(len(ids) - 1)
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = now
+            metrics = seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
         if sched.swapped:  # pages moved between the tiers while planning: no CUDA graph for this step
             eager = getattr(self.runner, "eager_once", None)
             if eager is not None:
@@ -189,17 +194,21 @@ class LLMEngine:
             if not last:
                 continue
             req = seq.request
-            group = [seq]
-            if not req.forked:
-                children = [Sequence(req, i, list(req.prompt_ids)) for i in range(1, req.params.n)]
+            params = req.params
+            if req.forked:
+                group = (seq,)
+            else:
+                children = [Sequence(req, i, list(req.prompt_ids)) for i in range(1, params.n)]
                 for ch in children:
                     self._seed(ch)
                 forks.append((seq, children))
-                group += children
-            history = _uses_history(req.params)
+                group = (seq, *children)
+            history = _uses_history(params)
             for s in group:
-                slots.append(SampleSlot(r, req.params, s.generator, req.prompt_ids, s.output_ids if history else [],
-                                        self._banned(s)))
+                # banned ids only before min_tokens (num_output is O(1); _banned builds a set)
+                banned = self._banned(s) if params.min_tokens and s.num_output < params.min_tokens else ()
+                slots.append(SampleSlot(r, params, s.generator, req.prompt_ids, s.output_ids if history else _NONE,
+                                        banned))
                 owners.append(s)
             r += 1
         drawn = sample(logits, slots) if slots else []
@@ -296,7 +305,7 @@ class LLMEngine:
         """What is new in ``req`` since its last delta output (see :attr:`output_kind`)."""
         comps = []
         holdback = max((len(s) for s in req.params.stop), default=1) - 1 if req.params.stop else 0
-        for seq in sorted(req.seqs, key=lambda s: s.index):
+        for seq in (req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=_by_index)):
             c = seq.completion
             start, end = seq.tokens_sent, seq.num_output
             p0 = seq.num_prompt
@@ -315,20 +324,28 @@ class LLMEngine:
             seq.text_len_sent = max(seq.text_len_sent, len(full))
             comps.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob, lps, c.finish_reason,
                                           c.stop_reason))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, comps, req.finished, req.metrics,
+        return RequestOutput(req.request_id, req.prompt, req.prompt_out(), comps, req.finished, req.metrics,
                              req.num_cached_tokens)
 
     def output_of(self, req: Request, text: bool = True) -> RequestOutput:
-        """A snapshot of ``req`` (texts decoded for running sequences only when ``text``)."""
+        """A snapshot of ``req`` (texts decoded for running sequences only when ``text``).
+
+        The completion lists are the output's own copies. ``prompt_token_ids``
+        is one copy of the prompt made once per request and shared by all its
+        outputs (as vLLM's): copying a long prompt into every output of every
+        step cost more than the rest of the step at large batches. The engine
+        never reads that copy, so changing it cannot change the request.
+        """
         comps = []
-        for seq in sorted(req.seqs, key=lambda s: s.index):
+        seqs = req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=_by_index)
+        for seq in seqs:
             c = seq.completion
             if c.finish_reason is None and text:
                 c.text = self._running_text(seq)
-            comps.append(CompletionOutput(c.index, c.text, list(seq.output_ids), c.cumulative_logprob,
+            comps.append(CompletionOutput(c.index, c.text, seq.output_ids, c.cumulative_logprob,
                                           None if c.logprobs is None else list(c.logprobs), c.finish_reason,
                                           c.stop_reason))
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), comps, req.finished, req.metrics,
+        return RequestOutput(req.request_id, req.prompt, req.prompt_out(), comps, req.finished, req.metrics,
                              req.num_cached_tokens)
 
 
@@ -347,6 +364,13 @@ class _Window:
     def __getitem__(self, s: slice) -> list[int]:
         o = self.offset
         return self.tokens[o + (s.start or 0):o + (len(self) if s.stop is None else s.stop)]
+
+
+_NONE: list[int] = []  # shared empty history (the sampler only reads it)
+
+
+def _by_index(seq: Sequence) -> int:
+    return seq.index
 
 
 def _uses_history(p: SamplingParams) -> bool:

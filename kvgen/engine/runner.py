@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import torch
@@ -34,10 +35,21 @@ class ModelRunner:
             return lambda layer, q, k, v: cache.decode(layer, q, None, k, v)
         return lambda layer, q, k, v: cache.prefill(layer, q, k, v)
 
+    def _upload(self, input_ids: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and positions on the device: one host tensor (pinned on CUDA), one copy."""
+        n = len(input_ids)
+        host = torch.frombuffer(array("q", input_ids + positions), dtype=torch.long) if n else \
+            torch.empty(0, dtype=torch.long)
+        if self.device.type == "cuda":
+            # pinned: the copy is asynchronous (from pageable memory CUDA stages it synchronously)
+            both = host.pin_memory().to(self.device, non_blocking=True)
+        else:
+            both = host.to(self.device)
+        return both[:n], both[n:]
+
     def run(self, step: Any, input_ids: list[int], positions: list[int], sample_rows: list[int]) -> torch.Tensor | None:
         """float32 logits ``[len(sample_rows), vocab]`` of the step's rows ``sample_rows`` (None if none)."""
-        ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        ids, pos = self._upload(input_ids, positions)
         eager, self._eager_next = self._eager_next, False
         if self.graphs is not None and not eager and self.graphs.can_run(step):
             hidden = self.graphs.run(step, ids, pos)

@@ -72,8 +72,11 @@ def filter_logits(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tenso
 def sample(logits: torch.Tensor, slots: list[SampleSlot]) -> list[Sampled]:
     """One token per slot from float32 ``logits [N, V]``; one host sync for the whole batch."""
     dev = logits.device
-    rows = torch.tensor([s.row for s in slots], dtype=torch.long, device=dev)
-    raw = logits.index_select(0, rows)
+    rows = [s.row for s in slots]
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        raw = logits  # one slot per row, in order (every decode step without forks): nothing to gather
+    else:
+        raw = logits.index_select(0, torch.tensor(rows, dtype=torch.long).to(dev))
     x = raw
     if any(s.params.penalized or s.banned for s in slots):
         x = raw.clone()
@@ -99,7 +102,7 @@ def sample(logits: torch.Tensor, slots: list[SampleSlot]) -> list[Sampled]:
         tokens = torch.where(torch.tensor(greedy, device=dev).reshape(S), tokens, drawn)
     want = [s.params.logprobs for s in slots]
     if all(w is None for w in want):
-        return [Sampled(int(t)) for t in tokens.tolist()]
+        return [Sampled(t) for t in tokens.tolist()]  # the step's one host sync
     logp = torch.log_softmax(raw, dim=1)
     chosen = logp.gather(1, tokens[:, None])[:, 0]
     n = max(w or 0 for w in want)

@@ -78,8 +78,16 @@ class Request:
         self.forked = params.n == 1
         self.seqs = [Sequence(self, 0, list(prompt_ids))]
         self.num_cached_tokens = 0
+        self._prompt_out: list[int] | None = None
         self.finished = False
         """Every sequence finished (before the fork: the first); kept by :meth:`refresh_finished`."""
+
+    def prompt_out(self) -> list[int]:
+        """The prompt ids the request's outputs carry: one copy, made on first use, shared by every output."""
+        out = self._prompt_out
+        if out is None:
+            out = self._prompt_out = list(self.prompt_ids)
+        return out
 
     def refresh_finished(self) -> bool:
         """Recompute :attr:`finished`; the engine calls it whenever one of the sequences finishes or aborts."""

@@ -177,6 +177,16 @@ class BlockManager(TieringMixin):
         """
         return list(self._seq(seq_id).table)
 
+    def step_view(self, seq_ids: Sequence[Hashable]) -> tuple[list[list[int]], list[int], list[int]]:
+        """``(tables, lengths, num_compressed)`` of ``seq_ids`` in one pass, for packing a step's metadata.
+
+        The tables are the manager's own lists, not copies (a step packs
+        thousands of entries per decode step): read them before the next
+        mutating call, never write them. Use :meth:`block_table` for a copy.
+        """
+        seqs = [self._seq(sid) for sid in seq_ids]
+        return [s.table for s in seqs], [s.length for s in seqs], [s.num_compressed for s in seqs]
+
     def num_compressed(self, seq_id: Hashable) -> int:
         """How many leading logical pages of the sequence are in the compressed pool.
 
@@ -508,7 +518,13 @@ class BlockManager(TieringMixin):
             pending, known = toks[full * P:], True
         else:
             pending, known = [], False
-        hashes = s.hashes + new_hashes
+        # s.hashes + new_hashes without copying s.hashes (O(pages) per decode token otherwise)
+        old_h = s.hashes
+        n_old = len(old_h)
+        n_hashes = n_old + len(new_hashes)
+
+        def hash_at(i: int) -> str:
+            return old_h[i] if i < n_old else new_hashes[i - n_old]
 
         convert: list[tuple[int, str | None, int | None]] = []
         register: list[tuple[int, str]] = []
@@ -516,13 +532,13 @@ class BlockManager(TieringMixin):
         revived = 0
         if self._window is None:
             num_compressed = -(-n1 // P)
-            register = [(i, hashes[i]) for i in range(n0 // P, min(n1 // P, len(hashes)))]
+            register = [(i, hash_at(i)) for i in range(n0 // P, min(n1 // P, n_hashes))]
             need_w = int(cow) + new_pages
             avail_w = len(self._pools[W].free) + len(self._lru)
         else:
             num_compressed = max(s.num_compressed, self.compressed_pages(n1))
             for i in range(s.num_compressed, num_compressed):
-                h = hashes[i] if i < len(hashes) else None
+                h = hash_at(i) if i < n_hashes else None
                 cached = self._hash_page.get(h) if h is not None else None
                 if cached is None:
                     need_c += 1

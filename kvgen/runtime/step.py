@@ -17,6 +17,7 @@ tensors.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,16 @@ class DeviceBuffers:
         return out
 
 
+_PAD = array("i", bytes(16))  # four zeros: alignment padding
+
+
+def _host_tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D CPU tensor over ``values``' buffer (no per-element conversion); empty arrays included."""
+    if not len(values):
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(values, dtype=dtype)
+
+
 def cold_pages(bm: BlockManager, seq_ids: Sequence[Hashable]) -> int:
     """Cold pages (host tier) the sequences of a step hold in all: what the staging ring must fit."""
     return sum(bm.host_pages(s) for s in seq_ids)
@@ -130,25 +141,26 @@ def build_step(index: int, bm: BlockManager, buffers: DeviceBuffers, seq_ids: Se
     ring (``step.cold``; see :class:`~.cache.PagePool`).
     """
     B = len(seq_ids)
-    tables = [bm.block_table(s) for s in seq_ids]
-    lens = [bm.seq_len(s) for s in seq_ids]
-    ncomp = [bm.num_compressed(s) for s in seq_ids]
-    max_pages = max([len(t) for t in tables] + [1])
+    tables, lens, ncomp = bm.step_view(seq_ids)  # the manager's lists: read here, never kept
+    max_pages = max(max(map(len, tables), default=0), 1)
     slots = reservation.slots
     cu = [0]
     for n in num_new:
         cu.append(cu[-1] + n)
 
-    flat: list[int] = []
+    # One int32 host buffer (array: C-speed extends, no per-element tensor conversion), one upload.
+    flat = array("i")
+    zeros = array("i", bytes(4 * max_pages))
     for t in tables:
         flat.extend(t)
-        flat.extend([0] * (max_pages - len(t)))
+        if len(t) < max_pages:
+            flat.extend(zeros[:max_pages - len(t)])
     offsets: dict[str, tuple[int, int]] = {"block_tables": (0, B * max_pages)}
 
-    def put(name: str, values: list[int], align: int = 4) -> None:
+    def put(name: str, values, align: int = 4) -> None:
         # Sections start on 16-byte boundaries: Triton compiles a kernel variant per pointer alignment, so
         # unaligned sections would make the batch size pick new variants (a JIT compile on a request's path).
-        flat.extend([0] * (-len(flat) % align))
+        flat.extend(_PAD[:-len(flat) % align])
         offsets[name] = (len(flat), len(values))
         flat.extend(values)
 
@@ -176,8 +188,8 @@ def build_step(index: int, bm: BlockManager, buffers: DeviceBuffers, seq_ids: Se
         for pool in sorted({c[0] for c in ph.copies}):
             put(f"{i}/copy_src/{pool}", [src for p, src, _ in ph.copies if p == pool])
             put(f"{i}/copy_dst/{pool}", [dst for p, _, dst in ph.copies if p == pool])
-    dev32 = buffers.upload(torch.tensor(flat, dtype=torch.int32))
-    dev64 = buffers.upload(torch.tensor(slots, dtype=torch.int64))
+    dev32 = buffers.upload(_host_tensor(flat, torch.int32))
+    dev64 = buffers.upload(_host_tensor(array("q", slots), torch.int64))
 
     def view(name: str) -> torch.Tensor:
         start, n = offsets[name]
@@ -194,7 +206,7 @@ def build_step(index: int, bm: BlockManager, buffers: DeviceBuffers, seq_ids: Se
         phases.append(StepPhase(ph.start, ph.end, dev64[ph.start:ph.end], copies, conversions))
     return StepMetadata(
         index=index, seq_ids=tuple(seq_ids), num_new=tuple(num_new), seq_lens_host=tuple(lens), batch=B,
-        max_seq_len=max(lens + [0]), max_q_len=max(list(num_new) + [0]), total_tokens=len(slots),
+        max_seq_len=max(lens, default=0), max_q_len=max(num_new, default=0), total_tokens=len(slots),
         max_pages=max_pages, is_decode=B > 0 and all(n == 1 for n in num_new),
         block_tables=view("block_tables").view(B, max_pages), seq_lens=view("seq_lens"),
         num_compressed=view("num_compressed"), cu_seqlens_q=view("cu_seqlens_q"), slot_mapping=dev64,
