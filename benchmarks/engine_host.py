@@ -41,7 +41,8 @@ import time
 from collections import defaultdict
 
 # The engine's CPU path runs generated Triton modules; they must import interpreted (never launched here).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if "cuda" not in " ".join(sys.argv):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
