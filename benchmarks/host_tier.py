@@ -117,7 +117,9 @@ class Bench:
             target = self.target()
             work = Workload(context=1024, concurrency=2, compute_dtype="float32", page_size=8)
         else:
-            spec = resolve_model("llama-3-8b")
+            # Llama-3-8B's shape with room for the whole pool as one context (its preset stops at 8192
+            # positions; Llama-3.1-8B, the same shape, has 131072): the planner refuses longer contexts.
+            spec = dataclasses.replace(resolve_model("llama-3-8b"), max_positions=max(8192, max_tokens))
             target = self.target()
             work = Workload(context=max_tokens, concurrency=1, compute_dtype="bfloat16")
         plan = make_plan(spec, target, work, reg.schemes, kv=kv)
