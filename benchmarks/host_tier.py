@@ -40,6 +40,7 @@ parts; a compact table of every record is printed on stdout at the end.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
