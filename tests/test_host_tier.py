@@ -255,3 +255,31 @@ def test_held_pages_are_released_by_timing_only_without_tensor_parallelism(monke
     cache._reap()
     assert got == released
     assert len(cache._held) == 1 - len(released)
+
+
+def test_cold_pages_from_a_reused_host_pool_stage_in_one_copy_per_run():
+    """A host pool hands reused ids out in any order (LIFO: descending in the table). The ring follows the
+    host ids, so consecutive host pages still stage as one run, and decode still equals all-device decode.
+
+    Before: ring positions in table order, so descending ids made every run one page long (on the H200,
+    131K copies per step at 50% cold: 1.1 s instead of 0.16 s)."""
+    kv, dtype, page = "fp16", "float16", 8
+    ref, _ = make(kv, dtype, page)
+    tier, _ = make(kv, dtype, page, host_tokens=16 * page, staging_tokens=8 * page)
+    gen = torch.Generator().manual_seed(4)
+    seqs = {"a": list(range(6 * page + 3))}
+    prefill([ref, tier], seqs, gen, ref.dtype)
+    bm = tier.block_manager
+    tier.make_cold("a", 5)
+    tier.swap_in(["a"])  # the host pages go back to the free list ...
+    tier.make_cold("a", 5)  # ... and come out again in another order
+    tier.wait_host_tier()
+    host_ids = bm.block_table("a")[:5]
+    assert sorted(host_ids) == list(range(min(host_ids), min(host_ids) + 5))  # consecutive, in whatever order
+    steps = [cache.plan_step(["a"], 1) for cache in (ref, tier)]
+    assert len(steps[1].cold.runs) == 1, steps[1].cold.runs
+    for layer in range(LAYERS):
+        q, k, v = rand(gen, 1, HQ, D, dtype=ref.dtype), rand(gen, 1, H, D, dtype=ref.dtype), rand(gen, 1, H, D,
+                                                                                                    dtype=ref.dtype)
+        outs = [cache.decode(layer, q, ["a"], k, v) for cache in (ref, tier)]
+        assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])

@@ -166,17 +166,17 @@ def build_step(index: int, bm: BlockManager, buffers: DeviceBuffers, seq_ids: Se
 
     cold = None
     if page_pool is not None and page_pool.staging_pages and cold_pages(bm, seq_ids):
-        pairs, where, r = [], [], 0  # (host page, ring position); (row, column) of each cold entry
-        for b, s in enumerate(seq_ids):
-            for i in range(bm.host_pages(s)):
-                pairs.append((tables[b][i], r))
-                where.append(b * max_pages + i)
-                r += 1
-        pairs_sorted = sorted(pairs)
-        cold = ColdStage(runs(pairs_sorted), page_pool.staging_pages)
+        # (host page, flat index of its block-table entry) for every cold entry. Ring positions follow
+        # the host ids' order, so consecutive host pages land in consecutive ring pages and one copy
+        # moves each run: a reused host pool hands out ids in any order (LIFO: descending), and ring
+        # positions in table order then made every run one page long (H200: 131K page copies per
+        # step, 1.1 s instead of 0.16 s at 50% cold).
+        entries = sorted((tables[b][i], b * max_pages + i)
+                         for b, s in enumerate(seq_ids) for i in range(bm.host_pages(s)))
+        cold = ColdStage(runs([(h, pos) for pos, (h, _) in enumerate(entries)]), page_pool.staging_pages)
         for layer in range(len(page_pool.layers)):
             t = flat[:B * max_pages]
-            for (_, pos), at in zip(pairs, where):
+            for pos, (_, at) in enumerate(entries):
                 t[at] = page_pool.ring_page(layer, pos)
             put(f"layer_tables/{layer}", t, align=1 if layer else 4)  # one [layers, B, max_pages] block
     put("seq_lens", lens)
