@@ -170,15 +170,16 @@ def test_tuning_is_pruned_and_budgeted(tmp_path):
 
 
 def test_budget_never_starts_a_candidate_that_would_end_past_it(tmp_path):
-    """Inputs 0.5 s, then each candidate 1.5 s (a compile) + 3 x 0.1 s (timing): the old rule (start while
-    under budget) started a third at 4.1 s and ended at 5.9 s; the new one stops after two, at 4.1 s."""
+    """Inputs 0.5 s, then each candidate 1.0 s (a compile) + 3 x 0.1 s (timing). A new variant is predicted
+    at twice the slowest compile so far plus timing (2.3 s): the second starts at 1.8 s (ends 3.1 s), a third
+    would likely end at 5.4 s and never starts. (Starting while under budget ran candidates to 5.7 s.)"""
     clock, timer, log = FakeClock(), CountingTimer(), []
     t = Autotuner("cpu", force=True, timer=timer, directory=tmp_path, stream=io.StringIO(), clock=clock,
                   budget_s=5.0)
-    entry = t.tune("decode", fake_module(), (4, 4096), clocked_bench(clock, 1.5, 0.1, inputs_s=0.5, log=log),
+    entry = t.tune("decode", fake_module(), (4, 4096), clocked_bench(clock, 1.0, 0.1, inputs_s=0.5, log=log),
                    kernel_hash="cd" * 8)
     assert entry["candidates"] == timer.calls == 2
-    assert entry["seconds"] == pytest.approx(0.5 + 2 * (1.5 + 3 * 0.1))  # inputs are in the budget
+    assert entry["seconds"] == pytest.approx(0.5 + 2 * (1.0 + 3 * 0.1))  # inputs are in the budget
     assert entry["seconds"] <= 5.0
     # every candidate is compiled by one call before it is timed: the timer never sees the compile
     assert len(log) == 2 * (1 + timer.runs)
@@ -193,13 +194,13 @@ def test_budget_lets_cheap_split_neighbours_run_after_a_compile(tmp_path):
     t = Autotuner("cpu", force=True, timer=timer, directory=tmp_path, stream=io.StringIO(), clock=clock,
                   budget_s=5.0)
     entry = t.tune("decode", mod, (4, 4096), clocked_bench(clock, 3.0, 0.1), kernel_hash="ef" * 8)
-    # tile 32: 3.4 s then 0.4 s per split neighbour; tile 64 (a new compile, predicted 3.4 s) never starts
+    # tile 32: 3.4 s then 0.4 s per split neighbour; tile 64 (a new compile, predicted 6.3 s) never starts
     assert entry["candidates"] == 4 and entry["seconds"] <= 5.0
     assert all(c["tile"] == 32 for c in [entry["config"]])
-    # a budget that fits one compile more (4.6 s so far + 1.5 x 3.4 s predicted) lets the new variant run
+    # a budget that fits one compile more (4.6 s so far + 2 x 3.0 s + 0.3 s predicted) lets the new variant run
     clock2, timer2 = FakeClock(), CountingTimer()
     t2 = Autotuner("cpu", force=True, timer=timer2, directory=tmp_path / "b", stream=io.StringIO(), clock=clock2,
-                   budget_s=10.0)
+                   budget_s=11.0)
     assert t2.tune("decode", mod, (4, 4096), clocked_bench(clock2, 3.0, 0.1), kernel_hash="ef" * 8)["candidates"] > 4
 
 

@@ -61,9 +61,10 @@ FORMAT = 2
 MAX_CANDIDATES = 8
 """Configs timed per bucket: the model's choice and its best-ranked neighbours."""
 BUDGET_S = 5.0
-PREDICTION_MARGIN = 1.5
-"""A candidate starts only if 1.5 x its predicted seconds still end within the budget (H200, 2026-12-01:
-predicting with the slowest first call so far, prefill buckets still ran to 5.7-7.0 s)."""
+COMPILE_MARGIN = 2.0
+"""A new compiled variant is predicted to take twice the slowest first call so far (H200, 2026-12-01:
+predicting 1x, prefill buckets ran to 5.7-7.0 s; 1.5x still let one run to 6.2 s, int4 prefill at a
+131072-token context)."""
 """Seconds of tuning per bucket after which no further candidate is started."""
 
 _WARNED: set[str] = set()  # cache roots already warned about in this process
@@ -548,9 +549,9 @@ class Autotuner:
         for i, cfg in enumerate(cands):
             variant = tuple(sorted((k, v) for k, v in cfg.items() if k != "num_splits"))
             new = variant not in variants
-            # x PREDICTION_MARGIN: compile times differ between variants (a larger tile compiles
-            # slower), and a bucket that runs past the budget is what the budget is there to prevent.
-            predicted = PREDICTION_MARGIN * ((first_new if new else first_reuse) + timing)
+            # x COMPILE_MARGIN for a new variant: compile times differ between variants (a larger
+            # tile compiles slower), and a bucket that runs past the budget is what it is there to prevent.
+            predicted = (COMPILE_MARGIN * first_new if new else first_reuse) + timing
             # Never start a candidate that would likely end past the budget; the first always runs
             # (a bucket needs a winner).
             if i and self.clock() - start + predicted > self.budget_s:
