@@ -73,6 +73,11 @@ class Bench:
             return dataclasses.replace(resolve_target("cpu"), memory_bytes=3 * 2**30)
         return resolve_target("h200")
 
+    def sync_compute(self) -> None:
+        """Wait for the compute stream only (the host tier's side stream keeps copying)."""
+        if self.device.type == "cuda":
+            self.torch.cuda.current_stream(self.device).synchronize()
+
     def sync(self) -> None:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize()
@@ -100,7 +105,7 @@ class Bench:
             out[name] = nbytes / (ms * 1e-3)
         return out
 
-    def cache(self, kv: str, *, max_tokens: int, host_tokens: int, staging_tokens: int):
+    def cache(self, kv: str, *, max_tokens: int, host_tokens: int, staging_tokens: int, max_seqs: int):
         from kvgen.codegen.loader import load_kernel
         from kvgen.codegen.package import kernel_specs, plan_scheme
         from kvgen.models import ModelSpec, resolve_model
@@ -126,8 +131,10 @@ class Bench:
         plan = make_plan(spec, target, work, reg.schemes, kv=kv)
         scheme = plan_scheme(plan, reg)
         kernels = {op: load_kernel(s, scheme, reg) for op, s in kernel_specs(plan, reg, scheme).items()}
+        # max_seqs sizes a residual scheme's tail pool (one window per sequence): the plan's own
+        # concurrency of 1 left int4 four residual pages, too few for the decode batch (H200 run).
         return load(plan.to_json(), kernels, device=self.device, max_tokens=max_tokens, autotune=False,
-                    host_tokens=host_tokens, staging_tokens=staging_tokens)
+                    host_tokens=host_tokens, staging_tokens=staging_tokens, max_seqs=max_seqs)
 
     def fill(self, cache, sid, tokens: int) -> None:
         """A sequence of ``tokens`` tokens whose pages hold whatever they hold (bandwidth needs no values)."""
@@ -170,7 +177,7 @@ def run(args) -> dict:
         B, L, S = args.batch, args.context, args.swap_tokens
         cold_max = int(0.75 * B * L) + B * 64
         cache = b.cache(kv, max_tokens=B * L + S + B * 256, host_tokens=S + cold_max + 1024,
-                        staging_tokens=cold_max)
+                        staging_tokens=cold_max, max_seqs=B + 2)
         P = cache.page_size
         log(f"{kv}: {cache}")
         # -- swap a long sequence out and back in
@@ -225,7 +232,7 @@ def run(args) -> dict:
         while True:
             b.decode_step(cache, ids, qkv)
             steps += 1
-            b.sync()
+            b.sync_compute()  # not the side stream: a device-wide sync would wait for the swap itself
             if cache.host_tier.cuda is False or all(ev.query() for ev, _ in cache._held):
                 break
         ms = (time.perf_counter() - t0) * 1e3 / steps
