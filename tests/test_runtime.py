@@ -26,7 +26,7 @@ from kvgen.planner.planner import make_plan
 from kvgen.planner.workload import Workload
 from kvgen.registry import default_registry
 from kvgen.runtime import COMPRESSED, RESIDUAL, KVCache, KvgenRuntimeError, OutOfPages, UnknownSequence, load
-from kvgen.runtime.cache import pool_sizes
+from kvgen.runtime.page_pool import pool_sizes
 from kvgen.targets import resolve_target
 
 H, HQ, D = 2, 4, 8

@@ -187,7 +187,7 @@ def test_a_bare_cuda_device_is_indexed(monkeypatch):
     load warned "kernel warm-up failed ... Expected a torch.device with a specified index")."""
     import torch
 
-    from kvgen.runtime.cache import _indexed
+    from kvgen.runtime.page_pool import _indexed
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert _indexed(torch.device("cuda")) == torch.device("cuda", 3)

@@ -15,7 +15,7 @@ _EXPORTS = {
     "Autotuner": "autotune",
     "COMPRESSED": "block_manager", "RESIDUAL": "block_manager", "AppendPlan": "block_manager",
     "BlockManager": "block_manager",
-    "KVCache": "cache", "PagePool": "cache", "default_device": "cache", "load": "cache", "pool_sizes": "cache",
+    "KVCache": "cache", "PagePool": "page_pool", "default_device": "page_pool", "load": "cache", "pool_sizes": "page_pool",
     "KvgenRuntimeError": "errors", "OutOfPages": "errors", "UnknownSequence": "errors", "SwappedOut": "errors",
     "HOST_COMPRESSED": "tiering", "HOST_RESIDUAL": "tiering", "TransferPlan": "tiering",
     "allocate_pool": "pools", "pool_bytes": "pools",

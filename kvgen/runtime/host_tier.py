@@ -16,7 +16,7 @@ sequence is usually one run).
 needs runs) and stages cold pages: ``stage(layer, cold)`` copies a step's
 cold pages of one layer into slot ``layer % 2`` of the staging ring, which
 the compressed pool allocates right after the last layer's pages (see
-:class:`~.cache.PagePool`). On CUDA every copy runs on one side stream,
+:class:`~.page_pool.PagePool`). On CUDA every copy runs on one side stream,
 ordered after the work already queued on the compute stream, and returns an
 event; the compute stream waits on that event only where it reads (or
 rewrites) the pages -- so swaps and the next layer's staging overlap decode.
@@ -82,7 +82,7 @@ class ColdStage:
 
 
 class HostTier:
-    """Runs transfers between a :class:`~.cache.PagePool` and its :class:`HostPool`."""
+    """Runs transfers between a :class:`~.page_pool.PagePool` and its :class:`HostPool`."""
 
     def __init__(self, page_pool, num_host_pages: int, num_host_residual_pages: int, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
