@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgen.runtime.autotune import (MAX_CANDIDATES, Autotuner, decode_model, model_config, ranked_candidates,
-                                    tune, valid_config)
+from kvgen.runtime.autotune import Autotuner, tune
+from kvgen.runtime.autotune_model import MAX_CANDIDATES, decode_model, model_config, ranked_candidates, valid_config
 from kvgen.runtime.errors import KvgenRuntimeError
 
 REPO = Path(__file__).resolve().parents[1]

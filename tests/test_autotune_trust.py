@@ -157,7 +157,7 @@ def test_valid_config_against_a_rendered_decode_kernel():
     from kvgen.codegen.loader import load_kernel
     from kvgen.codegen.spec import KernelSpec
     from kvgen.registry import default_registry
-    from kvgen.runtime.autotune import valid_config
+    from kvgen.runtime.autotune_model import valid_config
 
     spec = KernelSpec(op="decode", scheme="int8", head_dim=64, num_kv_heads=2, gqa_group=4, page_size=16,
                       compute_dtype="float16", arch="cpu")

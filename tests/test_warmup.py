@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvgen.runtime import COMPRESSED, RESIDUAL, load
-from kvgen.runtime.autotune import bucket, model_config
+from kvgen.runtime.autotune import bucket
+from kvgen.runtime.autotune_model import model_config
 from kvgen.runtime.warmup import SPLIT_COUNTS, WARM_BATCH, decode_variants, scenarios, warm_up
 from test_runtime import kernels_for, make_cache, make_plan_for
 

@@ -49,7 +49,8 @@ from typing import Any
 
 import torch
 
-from .autotune import Autotuner, bucket, valid_config
+from .autotune import Autotuner, bucket
+from .autotune_model import valid_config
 from .env import triton_interpret
 
 WARM_BATCH = 4
