@@ -52,11 +52,13 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def make_engine(kv: str, *, max_model_len: int, max_num_seqs: int, max_tokens: int | None = None, eager=False):
+def make_engine(kv: str, *, max_model_len: int, max_num_seqs: int, max_tokens: int | None = None, eager=False,
+                async_scheduling: bool = False):
     from kvgen.engine.loader import build_engine
 
     return build_engine(config=LLAMA3_8B, kv=kv, dtype="bfloat16", device="cuda", max_model_len=max_model_len,
-                        max_num_seqs=max_num_seqs, max_tokens=max_tokens, enforce_eager=eager)
+                        max_num_seqs=max_num_seqs, max_tokens=max_tokens, enforce_eager=eager,
+                        async_scheduling=async_scheduling)
 
 
 def release(holder: list) -> None:

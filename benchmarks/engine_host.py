@@ -1,7 +1,7 @@
 """Host time of an engine decode step, with the model replaced by a stand-in: what the GPU would wait for.
 
     python -m benchmarks.engine_host [--batches 1,8,32,128] [--context 2048] [--steps 50] [--device cpu]
-                                     [--kv fp16] [--vocab 4096] [--graphs] [--profile 32]
+                                     [--kv fp16] [--vocab 4096] [--graphs] [--profile 32] [--async-scheduling]
 
 Builds a real engine (planner, compiled kernels, runtime KVCache, block
 manager, scheduler, sampler) for a tiny random Llama config, but swaps the
@@ -24,6 +24,11 @@ and the sampler's small kernels included; the one sync is the sampled ids).
 ``--profile B`` prints cProfile's top functions over the steps at batch B.
 Sampling is greedy over ``--vocab`` logits: on the CPU the argmax is
 real work, so keep the vocabulary small to see the host part.
+``--async-scheduling`` runs the engine's async path (decode step n+1 planned
+before step n's ids are read; ``schedule`` then includes
+``schedule_continuation``). On the CPU nothing overlaps, so the ms are the
+same host work in another order; on a GPU with ``--clock wall`` the step time
+shows the overlap.
 """
 
 from __future__ import annotations
@@ -99,7 +104,8 @@ def build(B: int, context: int, steps: int, args, timer: PhaseTimer):
     cfg = dict(TINY, vocab_size=args.vocab)
     eng = build_engine(config=cfg, kv=args.kv, dtype=args.dtype, device=args.device, max_model_len=max_len,
                        max_num_seqs=B, max_tokens=B * max_len + 1024, max_num_batched_tokens=max(8192, B),
-                       page_size=args.page_size, enforce_eager=True, autotune=False, verbose=False)
+                       page_size=args.page_size, enforce_eager=True, autotune=False, verbose=False,
+                       async_scheduling=args.async_scheduling)
     dev = torch.device(args.device)
     stub = StubModel(TINY["hidden_size"], args.vocab, max(B, 1), dev)
     runner = eng.runner
@@ -126,9 +132,10 @@ def instrument(eng, timer: PhaseTimer) -> None:
     # The compiled package ships its own copy of the runtime: patch the module the cache comes from.
     cache_mod = sys.modules[type(cache).__module__]
     eng.scheduler.schedule = timer.wrap("schedule", eng.scheduler.schedule)
+    eng.scheduler.schedule_continuation = timer.wrap("schedule", eng.scheduler.schedule_continuation)
     cache.plan_step = timer.wrap("plan_step", cache.plan_step)
     cache.block_manager.reserve_step = timer.wrap("reserve_step", cache.block_manager.reserve_step)
-    for mod, name, phase in ((cache_mod, "build_step", "build_step"), (engine_mod, "sample", "sample")):
+    for mod, name, phase in ((cache_mod, "build_step", "build_step"), (engine_mod, "sample_async", "sample")):
         fn = getattr(mod, name, None)
         if fn is not None:  # module-level: unwrap an earlier batch's timer first
             setattr(mod, name, timer.wrap(phase, getattr(fn, "__wrapped__", fn)))
@@ -144,6 +151,7 @@ def measure(B: int, args) -> dict:
     timer.reset()
     prof = cProfile.Profile() if args.profile == B else None
     sync()
+    async0 = eng.num_async_steps
     t0 = clock()
     if prof is not None:
         prof.enable()
@@ -153,9 +161,12 @@ def measure(B: int, args) -> dict:
         prof.disable()
     sync()
     total = clock() - t0
+    async_steps = eng.num_async_steps - async0
+    eng.async_scheduling = False  # drains the step in flight (async: its tokens are read one call later)
     assert all(s.num_computed == len(s.tokens) - 1 for s in eng.scheduler.running)
     ms = {k: 1e3 * v / args.steps for k, v in timer.totals.items()}
     ms["step"] = 1e3 * total / args.steps
+    ms["async_steps"] = async_steps
     ms["engine"] = ms["step"] - sum(ms.get(k, 0.0) for k in ("schedule", "run", "sample", "outputs"))
     if prof is not None:
         out = io.StringIO()
@@ -178,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--graphs", action="store_true", help="runner goes through DecodeGraphs' static buffers")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="the engine's async scheduling (decode step n+1 planned before step n's ids are read)")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the timed steps at this batch size")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                     help="cpu: this thread's CPU time (steady on a shared machine; misses waits on the GPU); "
@@ -188,12 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     rows = {}
     print(f"host ms per decode step ({args.clock} time, context {args.context}, {args.device}, kv {args.kv}, "
-          f"stub model)")
+          f"stub model{', async scheduling' if args.async_scheduling else ''})")
     print("B".rjust(5) + "".join(p.rjust(13) for p in PHASES))
     for B in (int(b) for b in args.batches.split(",")):
         ms = measure(B, args)
         rows[B] = ms
-        print(str(B).rjust(5) + "".join(f"{ms.get(p, 0.0):13.3f}" for p in PHASES), flush=True)
+        print(str(B).rjust(5) + "".join(f"{ms.get(p, 0.0):13.3f}" for p in PHASES)
+              + (f"   async steps {ms['async_steps']}/{args.steps}" if args.async_scheduling else ""), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "ms": rows}, f, indent=1)

@@ -1,11 +1,15 @@
 """Where an engine decode step's time goes (GPU): kernel time per step by kernel, against the step's wall time.
 
     python -m benchmarks.engine_profile [--kv bf16,int4] [--shapes 1x16384,32x2048] [--out profile.json]
+                                        [--async-scheduling]
 
 Builds the random-weight Llama-3-8B engine of ``benchmarks.engine``, fills B
 sequences to L tokens, then measures for each shape and scheme:
 
 - ``graph_ms``: wall ms per decode step through CUDA graphs (as ``engine.py``);
+- ``graph_async_ms`` (with ``--async-scheduling``): the same with the
+  engine's async scheduling on (step n+1 planned while step n runs), on the
+  same engine right after ``graph_ms``;
 - ``eager_ms``: the same without graphs;
 - ``kernels``: torch.profiler over ``--steps`` eager steps, kernel name ->
   device µs per step, largest first, and ``kernel_ms`` their sum; with
@@ -62,7 +66,7 @@ def timed_steps(eng, steps: int) -> float:
     return (time.perf_counter() - t) * 1e3 / steps
 
 
-def profile_case(kv: str, B: int, L: int, steps: int, bw: float) -> dict:
+def profile_case(kv: str, B: int, L: int, steps: int, bw: float, async_scheduling: bool = False) -> dict:
     from kvgen.engine import SamplingParams
 
     eng = make_engine(kv, max_model_len=L + 4 * steps + 64, max_num_seqs=B)
@@ -74,6 +78,15 @@ def profile_case(kv: str, B: int, L: int, steps: int, bw: float) -> dict:
               and not eng.scheduler.waiting)
     eng.step()
     graph_ms = timed_steps(eng, steps)
+    graph_async_ms = None
+    if async_scheduling:
+        eng.async_scheduling = True
+        eng.step()  # the first step of a run is synchronous; it leaves itself in flight
+        a0 = eng.num_async_steps
+        graph_async_ms = timed_steps(eng, steps)
+        if eng.num_async_steps - a0 != steps:
+            log(f"async scheduling overlapped only {eng.num_async_steps - a0} of {steps} steps")
+        eng.async_scheduling = False  # drains the step in flight
     graphs, eng.runner.graphs = eng.runner.graphs, None  # eager: the profiler names every kernel
     eng.step()
     eager_ms = timed_steps(eng, steps)
@@ -96,6 +109,7 @@ def profile_case(kv: str, B: int, L: int, steps: int, bw: float) -> dict:
     kv_bytes = B * (L + steps) * eng.plan.kv_bytes_per_token
     w = weight_bytes(eng)
     rec = dict(kind="profile", kv=kv, B=B, context=L, steps=steps, graph_ms=graph_ms, eager_ms=eager_ms,
+               **({} if graph_async_ms is None else dict(graph_async_ms=graph_async_ms)),
                kernel_ms=sum(per_kernel.values()) / 1e3, roofline_ms=(w + kv_bytes) / bw * 1e3,
                weight_roofline_ms=w / bw * 1e3, kv_roofline_ms=kv_bytes / bw * 1e3,
                groups={k: round(v / 1e3, 4) for k, v in sorted(groups.items(), key=lambda kv_: -kv_[1])},
@@ -113,6 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="1x16384,32x2048")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default="benchmarks/results/engine_profile.json")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="also time graph steps with the engine's async scheduling (graph_async_ms)")
     args = ap.parse_args(argv)
     import triton
 
@@ -127,7 +143,7 @@ def main(argv=None) -> int:
         B, L = (int(x) for x in shape.split("x"))
         for kv in args.kv.split(","):
             try:
-                rec = profile_case(kv, B, L, args.steps, bw)
+                rec = profile_case(kv, B, L, args.steps, bw, args.async_scheduling)
             except Exception as e:  # one failing case must not lose the rest
                 log(f"{kv} {shape} failed: {type(e).__name__}: {e}")
                 continue

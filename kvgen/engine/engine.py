@@ -11,7 +11,9 @@ runner computes logits for the sequences that reach their last token, the
 sampler draws, and stop conditions finish sequences (their pages return to
 the pool). A request with ``n > 1`` computes its prompt once; when the
 prompt's logits arrive, ``n`` tokens are drawn and the sequence is forked
-in the cache (the completions share the prompt's pages).
+in the cache (the completions share the prompt's pages). With
+``async_scheduling`` the host plans decode step n+1 while the device runs
+step n, and reads step n's tokens afterwards (a one-step lag).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import EngineError
 from .outputs import CompletionOutput, RequestOutput
 from .runner import ModelRunner
-from .sampler import SampleSlot, sample
+from .sampler import PendingSample, SampleSlot, sample_async
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status
@@ -42,11 +44,13 @@ class LLMEngine:
     ids and texts stay empty). ``eos_token_ids``: ids that end a completion
     unless ``ignore_eos``. ``preemption_mode``: ``"swap"`` (the default when
     ``cache.host_tier`` exists) or ``"recompute"`` (see :mod:`.scheduler`).
+    ``async_scheduling``: plan steady decode steps while the device runs the
+    previous one (see :attr:`async_scheduling`; off by default).
     """
 
     def __init__(self, runner: Any, cache: Any, tokenizer: Any = None, *, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: Seq[int] = (), vocab_size: int | None = None,
-                 preemption_mode: str | None = None) -> None:
+                 preemption_mode: str | None = None, async_scheduling: bool = False) -> None:
         self.runner = runner
         self.cache = cache
         self.tokenizer = tokenizer
@@ -57,10 +61,15 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_async_steps = 0
+        """Steps planned and launched while the step before was in flight (see :attr:`async_scheduling`)."""
         self.peak_running = 0
         self.stream_text = True
         """Decode the text of running completions into every step's outputs (off: only finished ones; faster)."""
         self._output_kind = "cumulative"
+        self._inflight: _InFlight | None = None
+        self._late: dict[str, Request] = {}  # requests changed by a drain outside step(): its next outputs
+        self.async_scheduling = async_scheduling
 
     OUTPUT_KINDS = ("cumulative", "delta", "final")
 
@@ -132,10 +141,13 @@ class LLMEngine:
             return
         for seq in req.seqs:
             if seq.status is not Status.FINISHED:
-                self.scheduler.remove(seq)
+                self._remove(seq)
                 seq.completion.finish_reason = "abort"
                 seq.completion.text = self._text(seq)
         req.refresh_finished()
+        cur = self._inflight
+        if cur is not None and not any(s.status is Status.RUNNING for s in cur.seqs):
+            self._drain(self._late)  # nothing of it is live any more: free its pages now (no step() may follow)
 
     def close(self) -> None:
         """Release what the runner holds beyond this process (tensor-parallel workers); idempotent."""
@@ -151,9 +163,20 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one model step; returns the outputs of requests that got tokens (or finished) in it."""
+        """Run one model step; returns the outputs of requests that got tokens (or finished) in it.
+
+        With :attr:`async_scheduling`, a steady decode step's tokens come out
+        of the call after the one that launched it.
+        """
+        changed, self._late = self._late, {}
+        prev = self._inflight
+        if prev is not None:
+            nxt = self.scheduler.schedule_continuation([s for s in prev.seqs if s.status is Status.RUNNING])
+            if nxt is not None:
+                self._continue(prev, nxt, changed)
+                return self._collect(changed)
+            self._drain(changed)  # not steady decode: the synchronous path, from a settled state
         sched = self.scheduler.schedule()
-        changed: dict[str, Request] = {}
         for seq in self.scheduler.truncated:
             self._finish(seq, "length", None)
             changed[seq.request.request_id] = seq.request
@@ -186,6 +209,27 @@ class LLMEngine:
         logits = self.runner.run(sched.step, ids, pos, rows)
         for seq, n in zip(sched.seqs, sched.num_new):
             seq.num_computed += n
+        slots, owners, forks = self._slots(sched)
+        pending = sample_async(logits, slots) if slots else None
+        if pending is not None and self._async_ok and not forks and not sched.swapped and \
+                len(owners) == len(sched.seqs) and all(n == 1 for n in sched.num_new):
+            # steady decode: leave it in flight; the next call plans its successor before reading it
+            self._inflight = _InFlight(sched.seqs, pending)
+            return self._collect(changed)
+        drawn = pending.result() if pending is not None else []
+        for parent, children in forks:  # fork before anything finishes: the children need the prompt's pages
+            req = parent.request
+            for ch in children:
+                ch.num_computed = parent.num_computed
+                self.cache.fork(parent.seq_id, ch.seq_id)
+            self.scheduler.add_forks(parent, children)
+            req.seqs.extend(children)
+            req.forked = True
+        self._apply(owners, drawn, changed)
+        return self._collect(changed)
+
+    def _slots(self, sched: Any) -> tuple[list[SampleSlot], list[Sequence], list[tuple[Sequence, list[Sequence]]]]:
+        """The draws of a launched step: slots, the sequence each token goes to, and the forks to make."""
         slots: list[SampleSlot] = []
         owners: list[Sequence] = []
         forks: list[tuple[Sequence, list[Sequence]]] = []
@@ -211,17 +255,18 @@ class LLMEngine:
                                         banned))
                 owners.append(s)
             r += 1
-        drawn = sample(logits, slots) if slots else []
-        for parent, children in forks:  # fork before anything finishes: the children need the prompt's pages
-            req = parent.request
-            for ch in children:
-                ch.num_computed = parent.num_computed
-                self.cache.fork(parent.seq_id, ch.seq_id)
-            self.scheduler.add_forks(parent, children)
-            req.seqs.extend(children)
-            req.forked = True
+        return slots, owners, forks
+
+    def _apply(self, owners: Seq[Sequence], drawn: Seq[Any], changed: dict[str, Request]) -> None:
+        """Append the drawn tokens to their sequences and check the stop conditions.
+
+        A sequence that finished or was aborted while its token was in flight
+        (async scheduling) takes nothing.
+        """
         now = time.perf_counter()
         for seq, d in zip(owners, drawn):
+            if seq.status is Status.FINISHED:
+                continue
             req = seq.request
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
@@ -234,7 +279,84 @@ class LLMEngine:
                 comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + d.logprob
             self._check_stop(seq, d.token)
             changed[req.request_id] = req
-        return self._collect(changed)
+
+    # -- async scheduling ----------------------------------------------------------------
+    @property
+    def async_scheduling(self) -> bool:
+        """Plan each steady decode step while the device runs the one before (vLLM V1's one-step lag).
+
+        A decode step of the same batch as the step in flight (every sequence
+        decoding, no arrival that could join, no fork, preemption or swap,
+        enough pages) is planned -- scheduling, one slot reserved per
+        sequence, metadata uploaded -- and launched before the host reads the
+        step in flight's sampled ids: its input ids are those ids, copied
+        device to device. Then the host reads them, appends them, checks
+        stops and builds outputs while the device computes the new step, and
+        launches its sampling. Each :meth:`step` call returns the tokens of
+        the step launched by the call before it.
+
+        A sequence that finishes (or is aborted) while the next step is in
+        flight keeps its row there: its result is dropped, and its pages,
+        the extra slot included, are freed once that step's ids have been
+        read. Any other step runs synchronously after the step in flight is
+        drained (read and applied). Async steps reserve slots without token
+        ids, so pages filled by generated tokens in async steps are not
+        registered in the prefix cache (prompt pages are, as ever): a
+        sequence's page hash chain needs every id of the page when the page
+        fills, and the id of an async step's token is still on the device
+        then. Off by default; ignored (synchronous) for runners without
+        device input ids (tensor parallelism) and caches with a host tier.
+        Greedy and seeded sampling give the same tokens either way.
+        """
+        return self._async
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:
+        if not on and self._inflight is not None:
+            self._drain(self._late)  # its tokens are applied; the next step() reports them
+        self._async = bool(on)
+        self._async_ok = self._async and bool(getattr(type(self.runner), "device_input_ids", False)) and \
+            getattr(self.cache, "host_tier", None) is None
+
+    def _continue(self, prev: "_InFlight", nxt: Any, changed: dict[str, Request]) -> None:
+        """Launch ``nxt`` (planned by schedule_continuation) on ``prev``'s sampled ids, then apply ``prev``."""
+        rows = [i for i, s in enumerate(prev.seqs) if s.status is Status.RUNNING]
+        ids = prev.sample.tokens
+        if len(rows) != len(prev.seqs):
+            ids = ids.index_select(0, torch.tensor(rows, dtype=torch.long).to(ids.device))
+        self.num_steps += 1
+        self.num_async_steps += 1
+        self.peak_running = max(self.peak_running, len(self.scheduler.running))
+        logits = self.runner.run(nxt.step, ids, [s.num_computed for s in nxt.seqs], list(range(len(nxt.seqs))))
+        for seq in nxt.seqs:
+            seq.num_computed += 1
+        cur = self._inflight = _InFlight(nxt.seqs, None)  # finishing from here on: freed after nxt's sync
+        self._apply(prev.seqs, prev.sample.result(), changed)
+        self._free(prev.zombies)
+        # drawn after applying prev: history (penalties) and min_tokens see its tokens; finished rows draw too
+        slots, _, _ = self._slots(nxt)
+        cur.sample = sample_async(logits, slots)
+        if not any(s.status is Status.RUNNING for s in cur.seqs):
+            self._drain(changed)  # everything finished: nobody would call step() for it
+
+    def _drain(self, changed: dict[str, Request]) -> None:
+        """Read and apply the step in flight, then free the sequences that finished during it."""
+        cur, self._inflight = self._inflight, None
+        self._apply(cur.seqs, cur.sample.result(), changed)
+        self._free(cur.zombies)
+
+    def _free(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.cache.free(seq.seq_id)
+
+    def _remove(self, seq: Sequence) -> None:
+        """Take a finishing sequence out of the scheduler; a row of the step in flight keeps its pages till it ran."""
+        cur = self._inflight
+        if cur is not None and seq.status is Status.RUNNING and seq in cur.rows:
+            self.scheduler.remove(seq, free=False)
+            cur.zombies.append(seq)
+        else:
+            self.scheduler.remove(seq)
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
         p = seq.request.params
@@ -278,7 +400,7 @@ class LLMEngine:
             return self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: Any, text_done: bool = False) -> None:
-        self.scheduler.remove(seq)
+        self._remove(seq)
         seq.completion.finish_reason = reason
         seq.completion.stop_reason = stop_reason
         if not text_done:
@@ -347,6 +469,23 @@ class LLMEngine:
                                           c.stop_reason))
         return RequestOutput(req.request_id, req.prompt, req.prompt_out(), comps, req.finished, req.metrics,
                              req.num_cached_tokens)
+
+
+class _InFlight:
+    """A launched decode step whose sampled ids the host has not read yet (async scheduling).
+
+    ``seqs``: its rows, in order; ``sample``: its draws (None while being
+    launched); ``zombies``: rows that finished or were aborted after it was
+    launched, freed once its ids are read (its kernels still use their pages).
+    """
+
+    __slots__ = ("seqs", "rows", "sample", "zombies")
+
+    def __init__(self, seqs: list[Sequence], sample: PendingSample | None) -> None:
+        self.seqs = seqs
+        self.rows = set(seqs)
+        self.sample = sample
+        self.zombies: list[Sequence] = []
 
 
 class _Window:

@@ -24,7 +24,8 @@ class LLM:
     ``max_num_batched_tokens``, ``device``, ``enforce_eager`` (no CUDA
     graphs), ``tp`` (tensor-parallel ranks: processes on GPUs 0..tp-1, or
     on the CPU), ``host_tokens`` (a host-memory KV tier: preemption by swap),
-    ``preemption_mode``; see :func:`kvgen.engine.loader.build_engine`.
+    ``preemption_mode``, ``async_scheduling`` (plan each decode step while
+    the GPU runs the previous one); see :func:`kvgen.engine.loader.build_engine`.
     ``llm.engine`` is the :class:`LLMEngine` (``add_request``/``step``/``abort_request``).
     ``close()`` (or ``with LLM(...) as llm``) stops tensor-parallel workers
     at once; otherwise they stop when the LLM is collected or at exit.

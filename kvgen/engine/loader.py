@@ -83,7 +83,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
                  enforce_eager: bool = False, config: dict[str, Any] | None = None, seed: int = 0,
                  autotune: bool = True, verbose: bool = True, tp: int = 1, host_tokens: int | str | None = None,
                  staging_tokens: int | None = None, preemption_mode: str | None = None,
-                 gguf_file: str | Path | None = None) -> LLMEngine:
+                 gguf_file: str | Path | None = None, async_scheduling: bool = False) -> LLMEngine:
     """An engine for the model folder ``model`` (or, with ``config=`` a config.json dict, random weights).
 
     ``model`` may also be a ``.gguf`` file, or a folder with ``gguf_file``
@@ -105,7 +105,10 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     a GPU; ``"plan"``: the plan's ``host_tier_bytes``), ``staging_tokens``
     its device staging ring (see the runtime's ``load``). ``preemption_mode``:
     ``"swap"`` (default with a host tier: preempted sequences' pages go to the
-    host and come back) or ``"recompute"``.
+    host and come back) or ``"recompute"``. ``async_scheduling``: plan
+    each steady decode step while the device runs the previous one (a
+    one-step lag, as vLLM V1's; see :attr:`LLMEngine.async_scheduling`);
+    needs ``tp=1``, and runs synchronously with a host tier.
     """
     from kvgen.integrations.transformers import compile_for_model, plan_for_model
     from kvgen.runtime import default_device
@@ -130,6 +133,8 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
             raise EngineError("gguf_file= names a checkpoint; it does not go with config= (random weights)")
         cfg = ModelConfig.from_dict(config, "config")
     weights_source = gguf_path or folder  # what load_weights reads: a safetensors folder or a GGUF file
+    if async_scheduling and tp != 1:
+        raise EngineError("async_scheduling needs tp=1 (tensor-parallel ranks take token ids from the host)")
     dev = torch.device(device) if device is not None else default_device()
     dev = check_tp(tp, dev)
     torch_dtype = resolve_dtype(dtype, cfg, dev)
@@ -202,7 +207,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     engine = LLMEngine(runner, cache, tokenizer, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        eos_token_ids=_eos_ids(folder, cfg, tokenizer), vocab_size=cfg.vocab_size,
-                       preemption_mode=preemption_mode)
+                       preemption_mode=preemption_mode, async_scheduling=async_scheduling)
     engine.plan = plan
     engine.model_config = cfg
     engine.tp = tp

@@ -18,6 +18,10 @@ class ModelRunner:
     from the pages); pure decode steps use append + the decode kernel.
     """
 
+    device_input_ids = True
+    """:meth:`run` takes the token ids as a device tensor too (the engine's async scheduling feeds the
+    previous step's sampled ids without a host round trip); a runner class without it gets lists only."""
+
     def __init__(self, model: CausalLM, cache: Any, graphs: Any = None) -> None:
         self.model, self.cache, self.graphs = model, cache, graphs
         self.device = cache.device
@@ -35,20 +39,30 @@ class ModelRunner:
             return lambda layer, q, k, v: cache.decode(layer, q, None, k, v)
         return lambda layer, q, k, v: cache.prefill(layer, q, k, v)
 
-    def _upload(self, input_ids: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids and positions on the device: one host tensor (pinned on CUDA), one copy."""
-        n = len(input_ids)
-        host = torch.frombuffer(array("q", input_ids + positions), dtype=torch.long) if n else \
-            torch.empty(0, dtype=torch.long)
+    def _upload(self, input_ids: list[int] | torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and positions on the device: one host tensor (pinned on CUDA), one copy.
+
+        Ids already on the device (a tensor) stay there; only the positions go up.
+        """
+        on_device = isinstance(input_ids, torch.Tensor)
+        n = 0 if on_device else len(input_ids)
+        values = positions if on_device else input_ids + positions
+        host = torch.frombuffer(array("q", values), dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
         if self.device.type == "cuda":
             # pinned: the copy is asynchronous (from pageable memory CUDA stages it synchronously)
             both = host.pin_memory().to(self.device, non_blocking=True)
         else:
             both = host.to(self.device)
-        return both[:n], both[n:]
+        return (input_ids if on_device else both[:n]), both[n:]
 
-    def run(self, step: Any, input_ids: list[int], positions: list[int], sample_rows: list[int]) -> torch.Tensor | None:
-        """float32 logits ``[len(sample_rows), vocab]`` of the step's rows ``sample_rows`` (None if none)."""
+    def run(self, step: Any, input_ids: list[int] | torch.Tensor, positions: list[int],
+            sample_rows: list[int]) -> torch.Tensor | None:
+        """float32 logits ``[len(sample_rows), vocab]`` of the step's rows ``sample_rows`` (None if none).
+
+        ``input_ids``: a list, or an int64 tensor on the cache's device (read
+        in stream order: it may still be being computed). Launches the step
+        and returns without waiting for the device.
+        """
         ids, pos = self._upload(input_ids, positions)
         eager, self._eager_next = self._eager_next, False
         if self.graphs is not None and not eager and self.graphs.can_run(step):

@@ -69,8 +69,43 @@ def filter_logits(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tenso
     return torch.zeros_like(probs).scatter_(1, idx, probs)
 
 
+class PendingSample:
+    """Tokens drawn on the device that the host has not read yet.
+
+    ``tokens``: int64 ``[S]`` on the logits' device, one per slot in slot
+    order (async scheduling feeds it to the next step without a host round
+    trip). :meth:`result` reads them (the step's one host sync) and builds
+    the :class:`Sampled` list; call it once.
+    """
+
+    def __init__(self, tokens: torch.Tensor, want: list[int | None], logprobs: tuple | None) -> None:
+        self.tokens = tokens
+        self._want = want
+        self._logprobs = logprobs
+
+    def result(self) -> list[Sampled]:
+        if self._logprobs is None:
+            return [Sampled(t) for t in self.tokens.tolist()]  # the step's one host sync
+        chosen, top_v, top_i = self._logprobs
+        tokens_h, chosen_h, top_v, top_i = self.tokens.tolist(), chosen.tolist(), top_v.tolist(), top_i.tolist()
+        out = []
+        for i, w in enumerate(self._want):
+            if w is None:
+                out.append(Sampled(tokens_h[i]))
+                continue
+            top = {top_i[i][j]: top_v[i][j] for j in range(w)}
+            top[tokens_h[i]] = chosen_h[i]
+            out.append(Sampled(tokens_h[i], chosen_h[i], top))
+        return out
+
+
 def sample(logits: torch.Tensor, slots: list[SampleSlot]) -> list[Sampled]:
     """One token per slot from float32 ``logits [N, V]``; one host sync for the whole batch."""
+    return sample_async(logits, slots).result()
+
+
+def sample_async(logits: torch.Tensor, slots: list[SampleSlot]) -> PendingSample:
+    """:func:`sample` without the host sync: the draws are launched, :meth:`PendingSample.result` reads them."""
     dev = logits.device
     rows = [s.row for s in slots]
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
@@ -102,18 +137,9 @@ def sample(logits: torch.Tensor, slots: list[SampleSlot]) -> list[Sampled]:
         tokens = torch.where(torch.tensor(greedy, device=dev).reshape(S), tokens, drawn)
     want = [s.params.logprobs for s in slots]
     if all(w is None for w in want):
-        return [Sampled(t) for t in tokens.tolist()]  # the step's one host sync
+        return PendingSample(tokens, want, None)
     logp = torch.log_softmax(raw, dim=1)
     chosen = logp.gather(1, tokens[:, None])[:, 0]
     n = max(w or 0 for w in want)
     top_v, top_i = logp.topk(max(n, 1), dim=1)
-    tokens_h, chosen_h, top_v, top_i = tokens.tolist(), chosen.tolist(), top_v.tolist(), top_i.tolist()
-    out = []
-    for i, w in enumerate(want):
-        if w is None:
-            out.append(Sampled(tokens_h[i]))
-            continue
-        top = {top_i[i][j]: top_v[i][j] for j in range(w)}
-        top[tokens_h[i]] = chosen_h[i]
-        out.append(Sampled(tokens_h[i], chosen_h[i], top))
-    return out
+    return PendingSample(tokens, want, (chosen, top_v, top_i))

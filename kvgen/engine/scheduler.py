@@ -125,11 +125,17 @@ class Scheduler:
         i = self.running.index(parent) + 1
         self.running[i:i] = children
 
-    def remove(self, seq: Sequence) -> None:
-        """Take ``seq`` out (finished or aborted), freeing its pages (device or host) if it holds any."""
+    def remove(self, seq: Sequence, free: bool = True) -> None:
+        """Take ``seq`` out (finished or aborted), freeing its pages (device or host) if it holds any.
+
+        ``free=False`` (a running sequence that a launched step still
+        computes, see the engine's async scheduling): its device pages stay
+        allocated; the caller frees them with ``cache.free`` once that step ran.
+        """
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-            self.cache.free(seq.seq_id)
+            if free:
+                self.cache.free(seq.seq_id)
         elif seq.status in (Status.WAITING, Status.SWAPPED) and seq in self.waiting:
             self.waiting.remove(seq)
             if seq.status is Status.SWAPPED:
@@ -268,6 +274,41 @@ class Scheduler:
                 continue
             sample = [s.num_computed + n == len(s.tokens) for s, n in zip(seqs, counts)]
             return ScheduledStep(seqs, counts, step, sample, preempted, self._swapped_now)
+
+
+    def schedule_continuation(self, seqs: list[Sequence]) -> ScheduledStep | None:
+        """The next decode step of ``seqs`` planned before their last tokens are known (async scheduling).
+
+        ``seqs``: the running sequences of the step in flight, in its row
+        order, each with its next token still on the device (``num_computed
+        == len(tokens)``). Returns a step feeding one token to each of them,
+        with one slot reserved per sequence and no token ids (so pages
+        completed by these tokens never enter the prefix cache; see the
+        engine's ``async_scheduling``), or None (nothing changed) when the
+        step :meth:`schedule` would plan is a different one: the batch is not
+        exactly ``self.running`` (preemption, a swap, new forks), a waiting
+        request could join now, the token budget is too small for the batch,
+        or the pages ran out (the synchronous path then preempts).
+        """
+        B = len(seqs)
+        if not B or B > self.max_num_batched_tokens or len(self.running) != B or \
+                any(a is not b for a, b in zip(self.running, seqs)):
+            return None
+        if self.waiting and B < self.max_num_batched_tokens:
+            head = self.waiting[0]
+            unit = self._swapped_group(head) if head.status is Status.SWAPPED else [head]
+            if self._slots() + sum(s.reserve for s in unit) <= self.max_num_seqs:
+                return None  # it would be admitted (or swapped in) now
+        ids = []
+        for s in seqs:
+            if s.num_computed != len(s.tokens):
+                return None
+            ids.append(s.seq_id)
+        try:
+            step = self.cache.plan_step(ids, [1] * B)
+        except self._out_of_pages:
+            return None
+        return ScheduledStep(list(seqs), [1] * B, step, [True] * B)
 
 
 def resolve_preemption_mode(mode: str | None, cache: Any) -> str:

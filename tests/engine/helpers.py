@@ -45,12 +45,17 @@ class TableRunner:
         self.table = torch.randn(vocab, vocab, generator=g) * 3
         self.steps = []
 
+    device_input_ids = True  # takes the ids as a tensor too (the engine's async scheduling)
+
     def run(self, step, input_ids, positions, sample_rows):
         assert len(input_ids) == len(positions) == step.total_tokens
         self.steps.append((step.batch, step.total_tokens, step.is_decode))
         if not sample_rows:
             return None
-        last = torch.tensor([input_ids[r] for r in sample_rows])
+        if isinstance(input_ids, torch.Tensor):
+            last = input_ids.index_select(0, torch.tensor(sample_rows, dtype=torch.long))
+        else:
+            last = torch.tensor([input_ids[r] for r in sample_rows])
         return self.table.index_select(0, last)
 
     def greedy(self, prompt, n):
