@@ -138,7 +138,7 @@ def build_step(index: int, bm: BlockManager, buffers: DeviceBuffers, seq_ids: Se
 
     With a ``page_pool`` that has a staging ring and sequences with cold
     pages, also one block table per layer whose cold entries point into the
-    ring (``step.cold``; see :class:`~.cache.PagePool`).
+    ring (``step.cold``; see :class:`~.page_pool.PagePool`).
     """
     B = len(seq_ids)
     tables, lens, ncomp = bm.step_view(seq_ids)  # the manager's lists: read here, never kept
