@@ -15,20 +15,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .metrics import ServeMetrics
 from .prompts import Prompter
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse
 from .responses import Choices, Formatter
+from .sse import SSEResponse
 from .worker import EngineWorker, Stream, kv_pages
 
 DEFAULT_MAX_PENDING = 1024
@@ -119,6 +119,9 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if state.worker.alive:  # the gauges as of now (the engine thread refreshes them only now and then)
+            with contextlib.suppress(ApiError):
+                await state.worker.call(lambda: state.metrics.refresh(engine))
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     @app.get("/v1/models")
@@ -163,30 +166,8 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
         stream = await state.worker.submit(prompts, params, arrival)
         choices = Choices(req.n, [len(p) for p in prompts], keep=not req.stream)
         if req.stream:
-            return StreamingResponse(_sse(stream, choices, fmt, req.include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return SSEResponse(stream, choices, fmt, req.include_usage, state.worker.close)
         return JSONResponse(await _collect(request, stream, choices, fmt))
-
-    async def _sse(stream: Stream, choices: Choices, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
-        # One write per wake-up: the mailbox holds each prompt's deltas merged into one, so a client that fell
-        # behind gets the tokens of several steps in one chunk, and the loop's work per step stays bounded.
-        try:
-            try:
-                async for batch in stream.batches():
-                    events = []
-                    for index, out in batch:
-                        deltas = choices.update(index, out, out.finished)
-                        if deltas:
-                            events.append(fmt.sse(deltas, include_usage))
-                    if events:
-                        yield "".join(events)
-            except ApiError as e:
-                yield f"data: {json.dumps(e.body())}\n\n"
-            if include_usage:
-                yield f"data: {json.dumps(fmt.usage_chunk(choices.usage()))}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:  # also when the client went away: Starlette cancels this generator
-            state.worker.close(stream)
 
     async def _collect(request: Request, stream: Stream, choices: Choices, fmt: Formatter) -> dict[str, Any]:
         async def consume() -> None:

@@ -1,7 +1,8 @@
 """/metrics: the server's Prometheus metrics (prometheus_client, one registry per server).
 
-Updated on the engine thread after every step (prometheus_client's values
-are thread-safe) and read by the scrape on the event loop:
+Counted on the engine thread after every step (prometheus_client's values
+are thread-safe); the gauges are refreshed there at most every
+``GAUGE_INTERVAL_S`` and, through the worker, right before each scrape:
 
 - ``kvgen_requests_running`` / ``kvgen_requests_waiting``: engine requests
   with a sequence in the batch / only in the queue;
@@ -28,6 +29,8 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 WINDOW_S = 10.0
+GAUGE_INTERVAL_S = 0.25
+"""The engine thread refreshes the gauges at most this often (a scrape refreshes them first anyway)."""
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
@@ -61,7 +64,9 @@ class ServeMetrics:
         self.finished_total = Counter("kvgen_request_finished", "Finished completions by reason", ["reason"],
                                       registry=r)
         self.http = Counter("kvgen_http_responses", "HTTP responses by status", ["status"], registry=r)
-        self._seen: dict[str, dict[int, int]] = {}  # request id -> completion index -> tokens so far (engine thread)
+        # request id -> [tokens so far, {completion index: tokens so far}] (engine thread)
+        self._seen: dict[str, list] = {}
+        self._next_refresh = 0.0
         self._window: deque[tuple[float, float]] = deque()
         self._total_gen = 0
         self._total_prompt = 0
@@ -69,40 +74,62 @@ class ServeMetrics:
 
     # -- engine thread ----------------------------------------------------------------------
     def after_step(self, engine: Any, outs: list[Any], snapshot: bool = False) -> None:
-        """Count the step's outputs (engine deltas; with ``snapshot``, full outputs) and refresh the gauges."""
-        from .worker import kv_pages
+        """Count the step's outputs (engine deltas; with ``snapshot``, full outputs); refresh the gauges now and then.
 
-        now = time.perf_counter()
+        Runs on the engine thread after every step, so it costs O(outputs)
+        with no locks per output: the gauges (running, waiting, pages,
+        tokens/s) are refreshed at most every ``GAUGE_INTERVAL_S`` here, and
+        by :meth:`refresh` when /metrics is scraped.
+        """
         new = 0
+        seen_all = self._seen
         for out in outs:
-            seen = self._seen.get(out.request_id)
+            rid = out.request_id
+            seen = seen_all.get(rid)
             if seen is None:
-                seen = {}
-            before = sum(seen.values())
+                seen = [0, {}]  # [tokens of all completions, {completion index: tokens}]
+            per = seen[1]
+            before = seen[0]
             for c in out.outputs:
-                had = seen.get(c.index, 0)
-                seen[c.index] = max(len(c.token_ids), had) if snapshot else had + len(c.token_ids)
-            count = sum(seen.values())
-            if before == 0 and count:
+                had = per.get(c.index, 0)
+                n = len(c.token_ids)
+                if snapshot:
+                    n = max(n, had)
+                    per[c.index] = n
+                    seen[0] += n - had
+                else:
+                    per[c.index] = had + n
+                    seen[0] += n
+            if before == 0 and seen[0]:
                 self._first_token(out)
-            new += count - before
+            new += seen[0] - before
             if out.finished:
-                self._finished(out, seen)
-                self._seen.pop(out.request_id, None)
+                self._finished(out, per)
+                seen_all.pop(rid, None)
             else:
-                self._seen[out.request_id] = seen
+                seen_all[rid] = seen
         self._total_gen += new
         if new:
             self.gen_tokens.inc(new)
+        now = time.perf_counter()
+        if now >= self._next_refresh:
+            self.refresh(engine, now)
+
+    def refresh(self, engine: Any, now: float | None = None) -> None:
+        """Set the gauges from ``engine`` (on the engine thread, or with the engine stopped)."""
+        from .worker import kv_pages
+
+        now = time.perf_counter() if now is None else now
+        self._next_refresh = now + GAUGE_INTERVAL_S
         self._window.append((now, self._total_gen))
         while len(self._window) > 2 and now - self._window[0][0] > WINDOW_S:
             self._window.popleft()
         t0, n0 = self._window[0]
         self.tokens_per_s.set((self._total_gen - n0) / (now - t0) if now > t0 else 0.0)
         sched = engine.scheduler
-        self.running.set(len({s.request.request_id for s in sched.running}))
-        self.waiting.set(len({s.request.request_id for s in sched.waiting} - {s.request.request_id
-                                                                              for s in sched.running}))
+        running = {s.request.request_id for s in sched.running}
+        self.running.set(len(running))
+        self.waiting.set(len({s.request.request_id for s in sched.waiting} - running))
         pages = kv_pages(engine.cache)
         self.pages_used.set(pages["used"])
         self.pages_free.set(pages["free"])

@@ -15,7 +15,9 @@ The engine thread and the event loop share the GIL. With CPython's default
 sync, a torch op) while the loop is busy waits up to 5 ms for the GIL --
 per release, several times a step -- so a loop busy streaming to many
 clients stretched every engine step. While a worker runs, the interval is
-:data:`SWITCH_INTERVAL_S` (restored when the last worker stops).
+:data:`SWITCH_INTERVAL_S`, and the heap that existed when it started is
+frozen out of the collector's full collections (both undone when the last
+worker stops; see :func:`_hold_switch_interval`).
 
 Draining (SIGTERM): :meth:`begin_drain` refuses new requests; requests
 still unfinished at the deadline are aborted (their streams end with finish
@@ -26,6 +28,7 @@ to each, and stops the worker (``/health`` then reports it).
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import queue
 import sys
@@ -48,18 +51,30 @@ _switch_saved = 0.005
 
 
 def _hold_switch_interval(on: bool) -> None:
-    """Count running workers; the first lowers the interpreter's switch interval, the last restores it."""
+    """Count running workers; the first lowers the switch interval and freezes the heap, the last undoes both.
+
+    Freezing (``gc.freeze``, after one full collection): every object that
+    exists when serving starts -- the model, torch's and the tokenizer's
+    modules, the engine -- moves to the collector's permanent generation.
+    Without it, the full collections that the server's steady allocation
+    (messages, futures, outputs) triggers now and then traverse that whole
+    heap with the GIL held: 100-200 ms in which neither the engine nor the
+    event loop runs (seen in the stand-in benchmark at 64 clients).
+    """
     global _switch_users, _switch_saved
     with _switch_lock:
         if on:
             if _switch_users == 0:
                 _switch_saved = sys.getswitchinterval()
                 sys.setswitchinterval(min(_switch_saved, SWITCH_INTERVAL_S))
+                gc.collect()
+                gc.freeze()
             _switch_users += 1
         elif _switch_users > 0:
             _switch_users -= 1
             if _switch_users == 0:
                 sys.setswitchinterval(_switch_saved)
+                gc.unfreeze()
 
 
 class Stream:
@@ -77,11 +92,12 @@ class Stream:
     callback per step for all streams.
     """
 
-    __slots__ = ("request_ids", "finished", "_latest", "_pushed", "_error", "_waiter")
+    __slots__ = ("request_ids", "finished", "closed", "_latest", "_pushed", "_error", "_waiter")
 
     def __init__(self, request_ids: list[str]) -> None:
         self.request_ids = request_ids
         self.finished: set[str] = set()  # ids whose last output the handler has taken
+        self.closed = False  # the reader gave up (its client went away): next_batch() returns None
         # prompt index -> [pending merged output, finished, {completion index: text pieces}]
         self._latest: dict[int, list] = {}
         # prompt index -> {completion index: [tokens, characters] pushed so far} (to turn a snapshot into a delta)
@@ -118,36 +134,52 @@ class Stream:
         self._error = error
         self._wake()
 
+    def cancel(self) -> None:
+        """Stop the reader: a pending or later :meth:`next_batch` returns None (the client went away)."""
+        self.closed = True
+        self._wake()
+
     def _wake(self) -> None:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def batches(self):
-        """Yield lists of ``(prompt_index, RequestOutput)``: per prompt that changed, its deltas merged into one.
+    async def next_batch(self) -> list[tuple[int, Any]] | None:
+        """A list of ``(prompt_index, RequestOutput)``: per prompt that changed, its deltas merged into one.
 
-        Ends when every prompt finished; an engine failure is ApiError 500.
+        Waits until there is one; None once every prompt finished or after
+        :meth:`cancel`. An engine failure is ApiError 500. (A plain coroutine,
+        not an async generator: a streaming handler calls it once per engine
+        step, so each call must cost little.)
         """
-        while not self.done:
-            if not self._latest and self._error is None:
-                self._waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
+        while True:
+            if self.closed or len(self.finished) == len(self.request_ids):
+                return None
             if self._error is not None:
                 e = self._error
                 raise ApiError(500, f"the engine failed: {type(e).__name__}: {e}", type="internal_error")
-            latest, self._latest = self._latest, {}
-            batch = []
-            for index, (out, finished, pieces) in sorted(latest.items()):
-                if pieces:
-                    for c in out.outputs:
-                        if c.index in pieces:
-                            c.text = "".join(pieces[c.index])
-                if finished:
-                    self.finished.add(self.request_ids[index])
-                batch.append((index, out))
+            if self._latest:
+                break
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        latest, self._latest = self._latest, {}
+        batch = []
+        for index, (out, finished, pieces) in (sorted(latest.items()) if len(latest) > 1 else latest.items()):
+            if pieces:
+                for c in out.outputs:
+                    if c.index in pieces:
+                        c.text = "".join(pieces[c.index])
+            if finished:
+                self.finished.add(self.request_ids[index])
+            batch.append((index, out))
+        return batch
+
+    async def batches(self):
+        """Yield :meth:`next_batch` until it returns None."""
+        while (batch := await self.next_batch()) is not None:
             yield batch
 
     async def outputs(self):

@@ -10,8 +10,12 @@
   the dict form (``Formatter.chunk``) gives, for both endpoints, with and
   without logprobs and usage;
 - while a worker runs the interpreter's GIL switch interval is short (the
-  engine thread waits at most that long for the GIL after a GPU wait), and
-  it is restored when the server stops.
+  engine thread waits at most that long for the GIL after a GPU wait) and
+  the heap that existed at start is frozen out of the collector's full
+  collections; both are undone when the server stops;
+- the streamed response writes one body per wake-up, sends the last chunk,
+  the usage and ``[DONE]`` in one write, and stops (closing the stream, so
+  its requests are aborted) when the client disconnects.
 
 The throughput itself is measured by ``python -m benchmarks.serve_load
 --standin`` (too noisy on a shared CPU for an assertion here).
@@ -203,5 +207,117 @@ def test_served_connections_have_nagle_off():
         finally:
             server.close()
             await server.wait_closed()
+
+    asyncio.run(go())
+
+
+def test_served_connections_have_nagle_off_under_uvloop():
+    """uvicorn serves on uvloop when it is installed (the serve extra): its connections must have Nagle off too."""
+    uvloop = pytest.importorskip("uvloop")
+    import socket
+
+    from kvgen.serve.server import bind
+
+    async def go():
+        seen = asyncio.get_running_loop().create_future()
+
+        class Proto(asyncio.Protocol):
+            def connection_made(self, transport):
+                sock = transport.get_extra_info("socket")
+                seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        listener = bind("127.0.0.1", 0)
+        server = await asyncio.get_running_loop().create_server(Proto, sock=listener)
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", listener.getsockname()[1])
+            assert await asyncio.wait_for(seen, 10) != 0
+            writer.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    loop = uvloop.new_event_loop()
+    try:
+        loop.run_until_complete(go())
+    finally:
+        loop.close()
+
+
+def test_the_heap_is_frozen_while_serving_and_unfrozen_after():
+    """Full collections must not traverse the model's and libraries' objects while serving (100+ ms GIL pauses)."""
+    import gc
+
+    from .helpers import ServerThread, table_engine
+
+    assert gc.get_freeze_count() == 0
+    with ServerThread(table_engine()):
+        assert gc.get_freeze_count() > 1000
+    assert gc.get_freeze_count() == 0
+
+
+def _sse_messages(stream, choices, fmt, usage, receive=None):
+    """Run an SSEResponse against fake ASGI callables; returns (messages sent, whether on_close ran)."""
+    from kvgen.serve.sse import SSEResponse
+
+    sent, closed = [], []
+
+    async def send(message):
+        sent.append(message)
+
+    async def never():
+        await asyncio.sleep(3600)
+
+    response = SSEResponse(stream, choices, fmt, usage, closed.append)
+    return response({"type": "http"}, receive or never, send), sent, closed
+
+
+def test_sse_response_writes_one_body_per_wake_up_and_ends_with_usage_and_done_in_one_write():
+    async def go():
+        s = Stream(["r0-0"])
+        fmt = Formatter(False, "m", _Prompter(), 0)
+        run, sent, closed = _sse_messages(s, Choices(1, [2], keep=False), fmt, True)
+        task = asyncio.ensure_future(run)
+        s.push(0, output([1]), False)
+        s.push(0, output([2]), False)  # before the handler ran: merged into one chunk
+        for _ in range(5):
+            await asyncio.sleep(0)
+        s.push(0, output([3], finished=True), True)
+        await asyncio.wait_for(task, 5)
+        assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+        assert dict(sent[0]["headers"])[b"content-type"].startswith(b"text/event-stream")
+        bodies = [m["body"].decode() for m in sent[1:]]
+        assert [m["more_body"] for m in sent[1:]] == [True, False]
+        first = [json.loads(e[len("data: "):]) for e in bodies[0].split("\n\n") if e]
+        assert len(first) == 1 and first[0]["choices"][0]["text"] == "w1 w2 "
+        last = bodies[1].split("\n\n")
+        assert json.loads(last[0][len("data: "):])["choices"][0]["finish_reason"] == "length"
+        assert json.loads(last[1][len("data: "):])["usage"] == {"prompt_tokens": 2, "completion_tokens": 3,
+                                                                "total_tokens": 5}
+        assert last[2:] == ["data: [DONE]", ""]
+        assert closed == [s]
+
+    asyncio.run(go())
+
+
+def test_sse_response_stops_and_closes_when_the_client_disconnects():
+    async def go():
+        s = Stream(["r0-0"])
+        gone = asyncio.Event()
+
+        async def receive():
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        run, sent, closed = _sse_messages(s, Choices(1, [2], keep=False), Formatter(True, "m", _Prompter(), 0),
+                                          False, receive)
+        task = asyncio.ensure_future(run)
+        s.push(0, output([1]), False)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(sent) == 2 and not closed  # headers and one chunk; the stream is still open
+        gone.set()
+        await asyncio.wait_for(task, 5)
+        assert s.closed and closed == [s] and len(sent) == 2  # nothing written after the client left
 
     asyncio.run(go())
