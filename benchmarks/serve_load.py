@@ -31,7 +31,10 @@ Records (JSON ``{machine, python, torch, triton, date, command, records}``):
 (last - first token) / (tokens - 1); offline: the engine's request times) and,
 for ``served``, ``http_overhead`` = 1 - served tokens/s / offline tokens/s at
 the same C. With ``--repeat R`` each path runs R times (alternating) and the
-fastest run of each is kept (``runs`` lists all tokens/s).
+fastest run of each is kept (``runs`` lists all tokens/s); ``tokens_per_s_median``
+and ``http_overhead_median`` are the same from the median run of each path.
+The offline path runs the engine as ``LLM.generate`` does (``output_kind``
+``final``, no running text), the served path as ``kvgen serve`` does (deltas).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import os
 import platform
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -157,9 +161,19 @@ def client_main(args: argparse.Namespace) -> int:
 # -- the server side ----------------------------------------------------------------------------------------------
 def offline(engine, reqs: list, clients: int, sync) -> dict:
     """The workload straight on the engine, at most ``clients`` requests in flight."""
+    # As LLM.generate runs the engine: outputs only when a request finishes, no running text. The served path's
+    # app sets the same engine to deltas with text; both are put back afterwards.
+    saved = engine.output_kind, engine.stream_text
+    engine.output_kind, engine.stream_text = "final", False
+    try:
+        return _offline(engine, reqs, clients, sync)
+    finally:
+        engine.output_kind, engine.stream_text = saved
+
+
+def _offline(engine, reqs: list, clients: int, sync) -> dict:
     from kvgen.engine import SamplingParams
 
-    engine.stream_text = False
     pending = list(reversed(reqs))
     live = 0
     generated = 0
@@ -183,7 +197,6 @@ def offline(engine, reqs: list, clients: int, sync) -> dict:
                     tpot.append((m.finished_time - m.first_token_time) / (k - 1))
     sync()
     s = time.perf_counter() - t
-    engine.stream_text = True
     return summary(len(reqs), s, generated, ttft, tpot)
 
 
@@ -239,7 +252,8 @@ def measure(engine, reqs: list, warm: list, clients: int, sync, repeat: int) -> 
             server.stop()
     best = {k: max(v, key=lambda r: r["tokens_per_s"]) for k, v in runs.items()}
     for k, v in runs.items():
-        best[k] = dict(best[k], runs=[round(r["tokens_per_s"], 1) for r in v])
+        best[k] = dict(best[k], runs=[round(r["tokens_per_s"], 1) for r in v],
+                       tokens_per_s_median=statistics.median(r["tokens_per_s"] for r in v))
     return best["offline"], best["served"]
 
 
@@ -336,7 +350,8 @@ def main(argv=None) -> int:
                 log(f"{kv} x{c}: run failed: {e}")
                 continue
             base.update(kind="offline", kv=kv, clients=c)
-            rec.update(kind="served", kv=kv, clients=c, http_overhead=1 - rec["tokens_per_s"] / base["tokens_per_s"])
+            rec.update(kind="served", kv=kv, clients=c, http_overhead=1 - rec["tokens_per_s"] / base["tokens_per_s"],
+                       http_overhead_median=1 - rec["tokens_per_s_median"] / base["tokens_per_s_median"])
             records += [base, rec]
             log(json.dumps(base))
             log(json.dumps(rec))
@@ -356,6 +371,8 @@ def table(records: list[dict]) -> str:
             f"{'TPOT p50/p99 ms':>17} {'overhead':>8}"]
     for r in records:
         over = f"{100 * r['http_overhead']:7.1f}%" if "http_overhead" in r else ""
+        if "http_overhead_median" in r:
+            over += f" (median {100 * r['http_overhead_median']:.1f}%)"
         rows.append(f"{r['kv']:>5} {r['clients']:>4} {r['kind']:>8} {r['requests_per_s']:8.2f} {r['tokens_per_s']:9.0f}"
                     f" {r['ttft_p50_ms'] or 0:8.1f}/{r['ttft_p99_ms'] or 0:8.1f} "
                     f"{r['tpot_p50_ms'] or 0:8.1f}/{r['tpot_p99_ms'] or 0:8.1f} {over:>8}")
