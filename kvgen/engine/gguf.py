@@ -16,6 +16,7 @@ or ``model=folder, gguf_file="name.gguf"``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import types
 from pathlib import Path
@@ -62,9 +63,20 @@ def require() -> None:
         raise GGUFError("loading a GGUF file needs the gguf package; pip install 'kvgen[eval]' (or pip install gguf)")
 
 
-def _fail(path: Path, what: str, exc: Exception) -> GGUFError:
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return GGUFError(f"could not read the {what} of {path}: {first}")
+# What transformers and gguf raise for a file they cannot read: OSError (unreadable), ValueError (not GGUF,
+# an architecture transformers does not map), KeyError (a missing metadata key), NotImplementedError (a
+# quantization type gguf cannot dequantize). Anything else is a bug and propagates.
+_READ_ERRORS = (OSError, ValueError, KeyError, NotImplementedError)
+
+
+@contextlib.contextmanager
+def _reading(path: Path, what: str):
+    """Turn a read failure of ``what`` in ``path`` into one GGUFError line (the first line of the cause)."""
+    try:
+        yield
+    except _READ_ERRORS as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise GGUFError(f"could not read the {what} of {path}: {first}") from None
 
 
 def hf_config(path: Path) -> Any:
@@ -72,10 +84,8 @@ def hf_config(path: Path) -> Any:
     require()
     from transformers import AutoConfig
 
-    try:
+    with _reading(path, "config"):
         return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    except (OSError, ValueError, KeyError, NotImplementedError) as exc:
-        raise _fail(path, "config", exc) from None
 
 
 def tokenizer(path: Path) -> Any:
@@ -87,12 +97,10 @@ def tokenizer(path: Path) -> Any:
     from gguf import GGUFReader
     from transformers import AutoTokenizer
 
-    try:
+    with _reading(path, "tokenizer"):
         if "tokenizer.ggml.model" not in GGUFReader(str(path)).fields:
             return None
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    except (OSError, ValueError, KeyError, NotImplementedError) as exc:
-        raise _fail(path, "tokenizer", exc) from None
 
 
 def _gguf_arch(model_type: str) -> str:
@@ -116,8 +124,6 @@ def read_tensors(path: Path, names: list[str], model_type: str, num_layers: int,
     shim = types.SimpleNamespace(
         config=types.SimpleNamespace(model_type=_gguf_arch(model_type), num_hidden_layers=num_layers),
         state_dict=lambda: dict.fromkeys(names), named_children=lambda: iter(()))
-    try:
+    with _reading(path, "tensors"):
         parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=shim, torch_dtype=dtype)
-    except (OSError, ValueError, KeyError, NotImplementedError) as exc:
-        raise _fail(path, "tensors", exc) from None
     return parsed["tensors"]
