@@ -25,12 +25,10 @@ import os
 
 import torch
 
+from kvgen.runtime.env import triton_interpret as _interpreting  # the one reading of TRITON_INTERPRET
+
 _TORCH_ONLY = "KVGEN_FUSED_TORCH"
 """Environment switch: ``1`` runs the plain-torch versions everywhere (debugging, comparisons)."""
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,12 +15,12 @@ that Triton does not specialize on: a new batch never compiles a new binary
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from kvgen.runtime.env import triton_interpret
+
+INTERPRET = triton_interpret()
 """Whether these kernels were decorated for the CPU interpreter (fixed at import)."""
 
 
