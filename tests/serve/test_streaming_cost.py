@@ -183,63 +183,43 @@ def test_switch_interval_is_short_while_serving_and_restored_after():
     assert sys.getswitchinterval() == pytest.approx(before)
 
 
-def test_served_connections_have_nagle_off():
-    """Each SSE chunk is a small write: with Nagle on it waits for the client's delayed ACK (~40 ms)."""
+async def _accepted_socket_has_nodelay() -> bool:
+    """Serve one connection on kvgen's listening socket; whether the accepted socket has TCP_NODELAY set."""
     import socket
 
     from kvgen.serve.server import bind
 
-    async def go():
-        seen = asyncio.get_running_loop().create_future()
+    seen = asyncio.get_running_loop().create_future()
 
-        class Proto(asyncio.Protocol):
-            def connection_made(self, transport):
-                sock = transport.get_extra_info("socket")
-                seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
-                transport.close()
+    class Proto(asyncio.Protocol):
+        def connection_made(self, transport):
+            sock = transport.get_extra_info("socket")
+            seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
 
-        listener = bind("127.0.0.1", 0)
-        server = await asyncio.get_running_loop().create_server(Proto, sock=listener)
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", listener.getsockname()[1])
-            assert await asyncio.wait_for(seen, 10) != 0
-            writer.close()
-        finally:
-            server.close()
-            await server.wait_closed()
+    listener = bind("127.0.0.1", 0)
+    server = await asyncio.get_running_loop().create_server(Proto, sock=listener)
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", listener.getsockname()[1])
+        nodelay = await asyncio.wait_for(seen, 10) != 0
+        writer.close()
+        return nodelay
+    finally:
+        server.close()
+        await server.wait_closed()
 
-    asyncio.run(go())
+
+def test_served_connections_have_nagle_off():
+    """Each SSE chunk is a small write: with Nagle on it waits for the client's delayed ACK (~40 ms)."""
+    assert asyncio.run(_accepted_socket_has_nodelay())
 
 
 def test_served_connections_have_nagle_off_under_uvloop():
     """uvicorn serves on uvloop when it is installed (the serve extra): its connections must have Nagle off too."""
     uvloop = pytest.importorskip("uvloop")
-    import socket
-
-    from kvgen.serve.server import bind
-
-    async def go():
-        seen = asyncio.get_running_loop().create_future()
-
-        class Proto(asyncio.Protocol):
-            def connection_made(self, transport):
-                sock = transport.get_extra_info("socket")
-                seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
-                transport.close()
-
-        listener = bind("127.0.0.1", 0)
-        server = await asyncio.get_running_loop().create_server(Proto, sock=listener)
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", listener.getsockname()[1])
-            assert await asyncio.wait_for(seen, 10) != 0
-            writer.close()
-        finally:
-            server.close()
-            await server.wait_closed()
-
     loop = uvloop.new_event_loop()
     try:
-        loop.run_until_complete(go())
+        assert loop.run_until_complete(_accepted_socket_has_nodelay())
     finally:
         loop.close()
 
