@@ -42,6 +42,9 @@ if [ "$what" = open-checks ]; then
   timeout 260 python3 -m benchmarks.host_tier --out "$OUT/host_tier.json" >"$OUT/host_tier.log" 2>&1; tail -14 "$OUT/host_tier.log"
   timeout 90 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
     tests/engine/test_async_scheduling.py >"$OUT/pytest-async.log" 2>&1; tail -3 "$OUT/pytest-async.log"
+  # the fused kernels' own tests carry no gpu mark: with KVGEN_TEST_DEVICE=cuda they run compiled (bf16 too)
+  timeout 60 python3 -m pytest -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/engine/test_fused.py >"$OUT/pytest-fused.log" 2>&1; tail -3 "$OUT/pytest-fused.log"
   timeout 120 python3 -m benchmarks.engine_profile --kv bf16 --shapes 32x2048,1x16384 --async-scheduling \
     --out "$OUT/engine_profile_async.json" >"$OUT/engine_profile_async.log" 2>&1; grep '"kind"' "$OUT/engine_profile_async.log" | cut -c1-300
 fi
