@@ -21,9 +21,11 @@ the direction of the transfer):
   75% of each sequence's pages cold; ``gpu_ms`` is the all-device step,
   ``transfer_ms`` the cold bytes at the pinned bandwidth, ``bound_ms`` their
   max and ``ratio`` = ``ms / bound_ms`` (done-when: <= 1.1).
-- ``decode_during_swap_out``: the all-device decode step while another
-  sequence swaps out in the background; ``slowdown`` = ms / gpu_ms - 1
-  (done-when: <= 0.03).
+- ``decode_during_swap_out``: the all-device decode step of ``--bg-batch``
+  (32) sequences of ``--context`` tokens while another sequence of half
+  ``--swap-tokens`` swaps out in the background, ``--bg-rounds`` times;
+  ``slowdown`` = ms / gpu_ms - 1 over the steps while the copies run
+  (done-when: <= 0.03; :func:`background_swap`).
 
 Each ``decode_host`` record also has ``predicted_ms``: the planner's step
 cost (:func:`kvgen.planner.host_cost.host_step_cost`, the function plans
@@ -155,6 +157,48 @@ class Bench:
         return mk(cache.num_q_heads), mk(cache.num_kv_heads), mk(cache.num_kv_heads)
 
 
+def background_swap(b: Bench, cache, kv: str, ids: list, L: int, tokens: int, rounds: int, repeat: int) -> dict:
+    """The ``decode_during_swap_out`` record: decode steps of ``ids`` while a ``tokens``-token sequence swaps out.
+
+    ``rounds`` times: ``repeat`` steps alone (the baseline, median), then the
+    swap-out and the steps until its copies finished. ``slowdown`` compares
+    the mean step during the copies with the baseline; the ``swap_out`` call
+    itself (page accounting, queueing the copies) is ``issue_ms``, host time
+    between two steps, counted in by ``slowdown_with_issue``.
+    """
+    qkv = b.qkv(cache, len(ids))
+    b.decode_step(cache, ids, qkv)
+    b.sync()
+
+    def step_ms() -> float:
+        t = time.perf_counter()
+        b.decode_step(cache, ids, qkv)
+        b.sync_compute()  # not the side stream: a device-wide sync would wait for the swap itself
+        return (time.perf_counter() - t) * 1e3
+
+    base, during, issue = [], [], []
+    for _ in range(rounds):
+        b.sync()
+        base += [step_ms() for _ in range(repeat)]
+        b.fill(cache, "bg", tokens)
+        b.sync()
+        t = time.perf_counter()
+        cache.swap_out(["bg"])  # returns once the copies are queued on the side stream (CUDA)
+        issue.append((time.perf_counter() - t) * 1e3)
+        while True:
+            during.append(step_ms())
+            if cache.host_tier.cuda is False or all(ev.query() for ev, _ in cache._held):
+                break
+        cache.wait_host_tier()
+        cache.free("bg")
+    gpu_ms, ms = statistics.median(base), statistics.mean(during)
+    return dict(op="decode_during_swap_out", scheme=kv, host_fraction=None, B=len(ids), context=L, ms=ms,
+                bytes=-(-tokens // cache.page_size) * page_bytes(cache), bw_fraction=None, gpu_ms=gpu_ms,
+                steps=len(during), rounds=rounds, slowdown=ms / gpu_ms - 1, issue_ms=statistics.mean(issue),
+                slowdown_with_issue=(sum(during) + sum(issue)) / len(during) / gpu_ms - 1,
+                step_ms=during, base_ms=base)
+
+
 def page_bytes(cache, pool: str = "compressed") -> int:
     """Bytes of one page over every layer."""
     from kvgen.runtime.pools import page_bytes as one
@@ -176,8 +220,9 @@ def run(args) -> dict:
     for kv in (args.schemes.split(",") if "tier" in args.parts else []):
         B, L, S = args.batch, args.context, args.swap_tokens
         cold_max = int(0.75 * B * L) + B * 64
-        cache = b.cache(kv, max_tokens=B * L + S + B * 256, host_tokens=S + cold_max + 1024,
-                        staging_tokens=cold_max, max_seqs=B + 2)
+        Bg = args.bg_batch
+        cache = b.cache(kv, max_tokens=max(B * L + S, Bg * L + S // 2) + Bg * 256, host_tokens=S + cold_max + 1024,
+                        staging_tokens=cold_max, max_seqs=max(B, Bg) + 2)
         P = cache.page_size
         log(f"{kv}: {cache}")
         # -- swap a long sequence out and back in
@@ -220,28 +265,17 @@ def run(args) -> dict:
                        predicted_gpu_ms=pred.gpu_ms, prediction_error=ms / pred.step_ms - 1)
             log(json.dumps(rec))
             records.append(rec)
-        # -- decode while another sequence swaps out in the background
+        # -- decode while another sequence swaps out in the background (a batch large enough that the step
+        # is bound by the GPU, not by the runtime API's per-layer host work: only then does interference show)
         cache.swap_in(ids)
-        b.decode_step(cache, ids, qkv)
-        base = b.timed(lambda: b.decode_step(cache, ids, qkv), repeat=args.repeat)
-        b.fill(cache, "bg", S // 2)
-        b.sync()
-        t0 = time.perf_counter()
-        cache.swap_out(["bg"])  # returns at once on CUDA: the copies run on the side stream
-        steps = 0
-        while True:
-            b.decode_step(cache, ids, qkv)
-            steps += 1
-            b.sync_compute()  # not the side stream: a device-wide sync would wait for the swap itself
-            if cache.host_tier.cuda is False or all(ev.query() for ev, _ in cache._held):
-                break
-        ms = (time.perf_counter() - t0) * 1e3 / steps
-        rec = dict(op="decode_during_swap_out", scheme=kv, host_fraction=None, B=B, context=L, ms=ms,
-                   bytes=len(cache.block_manager.block_table("bg")) * page_bytes(cache), bw_fraction=None,
-                   gpu_ms=base, steps=steps, slowdown=ms / base - 1)
+        bg_ids = ids + [f"b{i}" for i in range(args.bg_batch - B)]
+        for sid in bg_ids[B:]:
+            b.fill(cache, sid, L)
+        rec = background_swap(b, cache, kv, bg_ids, L, S // 2, rounds=args.bg_rounds, repeat=args.repeat)
         log(json.dumps(rec))
         records.append(rec)
-        cache.free("bg")
+        for sid in bg_ids[B:]:
+            cache.free(sid)
         del cache
         if b.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -268,7 +302,8 @@ def summary(result: dict) -> str:
             continue
         notes = ""
         if r["op"] == "decode_during_swap_out":
-            notes = f"slowdown {r['slowdown']:+.1%} over {r['steps']} steps (gpu_ms {r['gpu_ms']:.3f})"
+            notes = (f"slowdown {r['slowdown']:+.1%} over {r['steps']} steps (gpu_ms {r['gpu_ms']:.3f}); "
+                     f"swap_out call {r['issue_ms']:.1f} ms ({r['slowdown_with_issue']:+.1%} counting it)")
         elif r["op"].startswith("engine_"):
             notes = (f"{r['tokens_per_s']:.0f} tok/s, {r['generated']} tokens in {r['wall_s']:.2f} s, "
                      f"{r['num_preemptions']} preemptions, swapped out/in {r['swapped_out']}/{r['swapped_in']}, "
@@ -288,6 +323,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="decode batch (default 8; smoke 2)")
     ap.add_argument("--context", type=int, default=None, help="decode context (default 16384; smoke 64)")
     ap.add_argument("--swap-tokens", type=int, default=None, help="swapped sequence (default 100000; smoke 256)")
+    ap.add_argument("--bg-batch", type=int, default=None,
+                    help="decode batch while a sequence swaps out (default 32; smoke 2)")
+    ap.add_argument("--bg-rounds", type=int, default=3, help="background swap-outs timed (default 3)")
     ap.add_argument("--repeat", type=int, default=None, help="timed decode steps (default 10; smoke 1)")
     ap.add_argument("--parts", default="tier,engine",
                     help="tier (pinned, swaps, decode_host, background swap) and/or engine (default both)")
@@ -304,6 +342,7 @@ def main(argv=None) -> int:
     args.context = args.context or (64 if s else 16384)
     args.swap_tokens = args.swap_tokens or (256 if s else 100_000)
     args.repeat = args.repeat or (1 if s else 10)
+    args.bg_batch = max(args.bg_batch or (2 if s else 32), args.batch)
     args.pinned_bytes = 2**20 if s else 2**30
     args.parts = set(args.parts.split(","))
     if not args.parts <= {"tier", "engine"}:

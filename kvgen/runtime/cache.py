@@ -241,12 +241,12 @@ class KVCache(HostTierMixin):
         else:
             reservation = self._reserve_tiered(seq_ids, num_new, token_ids)
         self._steps += 1
+        tier = self.host_tier
         step = build_step(self._steps, bm, self._buffers, seq_ids, num_new, reservation,
-                          self.page_pool if self.host_tier is not None else None)
+                          self.page_pool if tier is not None else None,
+                          on_cold=self._stage_first if tier is not None and tier.cuda else None)
         step.configs = self._configs(step)
         self.step = step
-        if step.cold is not None and self.host_tier.cuda:
-            self.host_tier.stage(0, step.cold)  # overlaps whatever runs before layer 0's attention
         return step
 
     def _configs(self, step: StepMetadata) -> dict[str, Any]:

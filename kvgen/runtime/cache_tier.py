@@ -185,6 +185,12 @@ class HostTierMixin:
                 self._await(sid)
         return reservation
 
+    def _stage_first(self, cold) -> None:
+        """Start copying a new step's cold pages of layers 0 and 1 (both ring slots) while plan_step packs the
+        rest: the slots' last readers, the previous step's last layers, are already queued."""
+        for layer in range(min(2, self.num_layers)):
+            self.host_tier.stage(layer, cold)
+
     def _attention(self, step: StepMetadata, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The pools and block table a kernel reads for ``layer``: with cold pages, staged first."""
         cold = step.cold

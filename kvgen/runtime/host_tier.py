@@ -12,8 +12,9 @@ consecutive host ids; a fresh pool hands out ids in order, so a swapped-out
 sequence is usually one run).
 
 :class:`HostTier` executes the block manager's :class:`~.tiering.TransferPlan`
-(device pages are gathered/scattered on the device, so only the host side
-needs runs) and stages cold pages: ``stage(layer, cold)`` copies a step's
+(runs that are consecutive on both sides are copied directly; scattered
+device pages are gathered/scattered on the device first, so only the host
+side needs runs) and stages cold pages: ``stage(layer, cold)`` copies a step's
 cold pages of one layer into slot ``layer % 2`` of the staging ring, which
 the compressed pool allocates right after the last layer's pages (see
 :class:`~.page_pool.PagePool`). On CUDA every copy runs on one side stream,
@@ -33,6 +34,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .tiering import TransferPlan
+
+
+MIN_DIRECT_RUN = 16
+"""Pages per run (on average) from which swaps copy device runs directly instead of gathering them
+(16 pages of a bf16 K tensor at 8 KV heads, D=128 are 512 KiB: far above the size where a copy's fixed
+cost matters); shorter runs are gathered by a kernel first."""
 
 
 def runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -136,13 +143,26 @@ class HostTier:
                 ring[base + r:base + r + n].copy_(src[h:h + n], non_blocking=self.cuda)
 
     def _groups(self, items: Sequence[tuple[str, int, int]], host_index: int):
-        """Per pool: (device ids tensor, runs) with the host ids ascending."""
+        """Per pool: (device ids tensor or None, runs) with the host ids ascending.
+
+        When the device ids also ascend in long runs (a sequence filled at
+        once and swapped whole), ``runs`` are ``(host start, device start, n)``
+        and the tensor is None: each run is one copy between the two tiers on
+        the copy engine. Otherwise ``runs`` are ``(host start, position, n)``
+        over the device pages gathered (``index_select``) into one buffer: a
+        kernel, which competes with decode for the SMs, but no copy shorter
+        than the host runs.
+        """
         by_pool: dict[str, list[tuple[int, int]]] = {}
         for item in items:
             dev, host = (item[1], item[2]) if host_index == 2 else (item[2], item[1])
             by_pool.setdefault(item[0], []).append((host, dev))
         for pool, pairs in by_pool.items():
             pairs.sort()
+            direct = runs(pairs)
+            if len(pairs) >= MIN_DIRECT_RUN * len(direct):
+                yield pool, None, direct
+                continue
             idx = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
             yield pool, idx, runs([(h, j) for j, (h, _) in enumerate(pairs)])
 
@@ -150,16 +170,20 @@ class HostTier:
         for pool, idx, rs in self._groups(items, 2):
             for layer in range(len(self.page_pool.layers)):
                 for name, dev_t in self.page_pool.named(layer, pool).items():
-                    tmp = dev_t.index_select(0, idx)
+                    src = dev_t if idx is None else dev_t.index_select(0, idx)
                     dst = self.pool.tensors[pool][name][layer]
                     for h, j, n in rs:
-                        dst[h:h + n].copy_(tmp[j:j + n], non_blocking=self.cuda)
+                        dst[h:h + n].copy_(src[j:j + n], non_blocking=self.cuda)
 
     def _to_device(self, items: Sequence[tuple[str, int, int]]) -> None:
         for pool, idx, rs in self._groups(items, 1):
             for layer in range(len(self.page_pool.layers)):
                 for name, dev_t in self.page_pool.named(layer, pool).items():
                     src = self.pool.tensors[pool][name][layer]
+                    if idx is None:
+                        for h, d, n in rs:
+                            dev_t[d:d + n].copy_(src[h:h + n], non_blocking=self.cuda)
+                        continue
                     tmp = torch.empty((idx.numel(), *dev_t.shape[1:]), dtype=dev_t.dtype, device=self.device)
                     for h, j, n in rs:
                         tmp[j:j + n].copy_(src[h:h + n], non_blocking=self.cuda)

@@ -97,6 +97,8 @@ class PagePool:
         self.compressed_names = tuple(t["name"] for t in page_tensors)
         self.num_pages, self.num_residual_pages = num_pages, num_residual_pages if residual else 0
         self.staging_pages = staging_pages
+        self.device = device
+        self._ring_starts: torch.Tensor | None = None
         self.layers: list[dict[str, torch.Tensor]] = []
         self.ring: dict[str, torch.Tensor] = {}
         whole = None
@@ -127,6 +129,13 @@ class PagePool:
     def ring_page(self, layer: int, position: int) -> int:
         """The page id, in ``attention_view(layer)``, of ring position ``position`` of ``layer``'s slot."""
         return (len(self.layers) - layer) * self.num_pages + (layer % 2) * self.staging_pages + position
+
+    def ring_starts(self) -> torch.Tensor:
+        """int32 ``[layers]`` on the pool's device: ``ring_page(layer, 0)`` of every layer (made once)."""
+        if self._ring_starts is None:
+            self._ring_starts = torch.tensor([self.ring_page(layer, 0) for layer in range(len(self.layers))],
+                                             dtype=torch.int32).to(self.device)
+        return self._ring_starts
 
     def named(self, layer: int, pool: str) -> dict[str, torch.Tensor]:
         """One pool's tensors of one layer by name (what the host tier copies)."""

@@ -119,14 +119,23 @@ class TieringMixin:
         moves: dict[tuple[str, int], int] = {}
         self._parked = []
         try:
+            # Host pages are taken head first (ascending ids on a fresh pool, like the device pages of a
+            # sequence that was filled at once) so both sides form the same runs and the host tier copies
+            # whole runs on the copy engine instead of gathering pages with a kernel that competes with
+            # decode; device pages are released tail first, as free() releases.
             for s in seqs:
-                for i in range(len(s.table) - 1, s.cold - 1, -1):  # tail first, as free() releases
+                for i in range(s.cold, len(s.table)):
+                    key = (self._base(s, i), s.table[i])
+                    if key not in moves:
+                        moves[key] = self._alloc(HOST[key[0]])
+            placed: set = set()
+            for s in seqs:
+                for i in range(len(s.table) - 1, s.cold - 1, -1):
                     base, dev = self._base(s, i), s.table[i]
-                    hp = moves.get((base, dev))
-                    if hp is None:
-                        hp = moves[(base, dev)] = self._alloc(HOST[base])
-                    else:
+                    hp = moves[(base, dev)]
+                    if (base, dev) in placed:
                         self._pools[HOST[base]].ref[hp] += 1
+                    placed.add((base, dev))
                     s.table[i] = hp
                     self._release(base, dev)
                 s.swapped = True
