@@ -113,6 +113,8 @@ def test_cold_pages_decode_equals_all_device_decode(kv, dtype, page):
         counts = [2, 1, 2] if step == 1 else [1, 1, 1]
         steps = [cache.plan_step(ids, counts) for cache in (ref, tier)]
         assert steps[0].cold is None and steps[1].cold is not None
+        if step > 0 and not tier.host_tier.cuda:  # the previous step staged this one's layer 0 ahead
+            assert steps[1].cold.slot_layer[0] == 0
         n = sum(counts)
         for layer in range(LAYERS):
             q, k, v = rand(gen, n, HQ, D, dtype=dt), rand(gen, n, H, D, dtype=dt), rand(gen, n, H, D, dtype=dt)
@@ -320,3 +322,32 @@ def test_long_swaps_round_trip_through_direct_copies_or_a_gather(interleaved):
     cache.wait_host_tier()
     assert same_raw(raw_pages(cache, "a"), pages)
     assert all(torch.equal(x, y) for x, y in zip(cache.read_kv(1, "a"), before))
+
+
+def test_layer_zero_staged_ahead_is_not_reused_once_the_host_pages_changed():
+    """The last layer stages the next step's layer 0 ahead. If host pages are freed and handed out again
+    before that step (same host ids, same ring runs, other data), the staged copy is stale and must not be
+    used: the next step still equals all-device decode."""
+    kv, dtype, page = "fp16", "float16", 8
+    ref, _ = make(kv, dtype, page)
+    tier, _ = make(kv, dtype, page, host_tokens=16 * page, staging_tokens=8 * page)
+    gen = torch.Generator().manual_seed(6)
+    prefill([ref, tier], {"a": list(range(6 * page + 1)), "b": list(range(50, 50 + 6 * page + 1))}, gen, ref.dtype)
+
+    def decode_equal(sid: str):
+        steps = [cache.plan_step([sid], 1) for cache in (ref, tier)]
+        for layer in range(LAYERS):
+            q, k, v = (rand(gen, 1, n, D, dtype=ref.dtype) for n in (HQ, H, H))
+            outs = [cache.decode(layer, q, [sid], k, v) for cache in (ref, tier)]
+            assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1]), (sid, layer)
+        return steps[1].cold
+
+    tier.make_cold("a", 5)
+    first = decode_equal("a")  # its last layer stages layer 0 of a next step like it
+    tier.swap_in(["a"])
+    tier.make_cold("b", 5)  # the same host ids (and ring runs) now hold b's pages
+    tier.wait_host_tier()
+    second = tier.plan_step(["b"], 0)
+    assert second.cold.runs == first.runs and second.cold.slot_layer[0] != 0 or tier.host_tier.cuda
+    tier.step = None
+    decode_equal("b")

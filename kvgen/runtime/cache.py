@@ -244,7 +244,7 @@ class KVCache(HostTierMixin):
         tier = self.host_tier
         step = build_step(self._steps, bm, self._buffers, seq_ids, num_new, reservation,
                           self.page_pool if tier is not None else None,
-                          on_cold=self._stage_first if tier is not None and tier.cuda else None)
+                          on_cold=self._stage_first if tier is not None else None)
         step.configs = self._configs(step)
         self.step = step
         return step

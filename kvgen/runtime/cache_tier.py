@@ -186,10 +186,14 @@ class HostTierMixin:
         return reservation
 
     def _stage_first(self, cold) -> None:
-        """Start copying a new step's cold pages of layers 0 and 1 (both ring slots) while plan_step packs the
-        rest: the slots' last readers, the previous step's last layers, are already queued."""
-        for layer in range(min(2, self.num_layers)):
-            self.host_tier.stage(layer, cold)
+        """A new step's cold pages are known: take layer 0 if the previous step staged it ahead; on CUDA start
+        copying layers 0 and 1 (both ring slots) while plan_step packs the rest (the slots' last readers,
+        the previous step's last layers, are already queued)."""
+        tier = self.host_tier
+        first = 1 if tier.take_ahead(cold) else 0
+        if tier.cuda:
+            for layer in range(first, min(2, self.num_layers)):
+                tier.stage(layer, cold)
 
     def _attention(self, step: StepMetadata, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The pools and block table a kernel reads for ``layer``: with cold pages, staged first."""
@@ -199,6 +203,10 @@ class HostTierMixin:
         self.host_tier.ensure(layer, cold)
         if layer + 1 < self.num_layers and cold.slot_layer[(layer + 1) % 2] != layer + 1:
             self.host_tier.stage(layer + 1, cold)  # one layer ahead, overlapping this layer's attention
+        elif layer == self.num_layers - 1 and layer % 2 == 1:
+            # the last layer reads slot 1 and slot 0's last reader is queued: the next step's layer 0 goes
+            # there now (with an odd layer count the last layer itself reads slot 0: no staging ahead)
+            self.host_tier.stage_ahead(cold)
         return self.page_pool.attention_view(layer), cold.tables[layer]
 
     def _gather_pages(self, layer: int, seq_id: Hashable, table: list[int], nc: int) -> dict[str, torch.Tensor]:

@@ -98,11 +98,13 @@ class HostTier:
                              num_host_pages, num_host_residual_pages, pin=self.cuda)
         self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._ahead: tuple | None = None  # (runs, num_pages, event): layer 0 staged for the next step
 
     def run(self, plan: TransferPlan):
         """Run ``plan.to_host`` then ``plan.to_device`` for every layer; an event (CUDA) or None."""
         if not plan.to_host and not plan.to_device:
             return None
+        self._ahead = None  # host pages are being freed or rewritten: what was staged ahead may be stale
         if not self.cuda:
             self._to_host(plan.to_host)
             self._to_device(plan.to_device)
@@ -113,10 +115,37 @@ class HostTier:
             self._to_device(plan.to_device)
             return self.stream.record_event()
 
+    def stage_ahead(self, cold: ColdStage) -> None:
+        """Stage layer 0 of a next step with the same cold pages into slot 0, while this step's last layer runs.
+
+        Call once this step's last reader of slot 0 is queued. A decode
+        step's cold pages are its predecessor's (they never change on the
+        host), so the link copies the next step's first layer while the host
+        samples and plans it; :meth:`take_ahead` hands the copy to that step.
+        """
+        ev = self.stage(0, cold)
+        self._ahead = (cold.runs, cold.num_pages, ev)
+
+    def take_ahead(self, cold: ColdStage) -> bool:
+        """True (and ``cold``'s layer 0 is staged) if :meth:`stage_ahead` staged exactly these cold pages last.
+
+        Anything staged into slot 0 since, and any transfer plan run since
+        (host pages freed or rewritten), made the copy stale: False then.
+        """
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead[0] != cold.runs or ahead[1] != cold.num_pages:
+            return False
+        cold.slot_layer[0] = 0
+        if ahead[2] is not None:
+            cold.events[0] = ahead[2]
+        return True
+
     def stage(self, layer: int, cold: ColdStage):
         """Copy the step's cold pages of ``layer`` into ring slot ``layer % 2``; an event (CUDA) or None."""
         slot = layer % 2
         cold.slot_layer[slot] = layer
+        if slot == 0:
+            self._ahead = None
         if not self.cuda:
             self._stage(layer, cold, slot)
             return None
