@@ -576,7 +576,7 @@ def test_two_managers_make_identical_decisions():
 
 def test_runtime_imports_nothing_from_kvgen():
     runtime = Path(__file__).resolve().parents[1] / "kvgen" / "runtime"
-    for name in ("block_manager.py", "errors.py"):
+    for name in ("block_manager.py", "reservation.py", "errors.py"):
         tree = ast.parse((runtime / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
