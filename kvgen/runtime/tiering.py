@@ -106,38 +106,30 @@ class TieringMixin:
         for sid, s in zip(ids, seqs):
             if s.swapped:
                 raise KvgenRuntimeError(f"sequence {sid!r} is already swapped out; swap_in it or free it")
-        need = {"compressed": 0, "residual": 0}
-        seen: set = set()
-        for s in seqs:
-            for i in range(s.cold, len(s.table)):
-                key = (self._base(s, i), s.table[i])
-                if key not in seen:
-                    seen.add(key)
-                    need[key[0]] += 1
-        for base, n in need.items():
-            self._check_room(HOST[base], n, f"swapping out {list(ids)[:4]}")
-        moves: dict[tuple[str, int], int] = {}
+        # (pool, device page) of every device page, each once: (a swap of 100K tokens is 6,250 pages, and
+        # this host work delays the copies, so the loops below stay lean)
+        keys = list(dict.fromkeys(key for s in seqs for key in self._device_keys(s)))
+        for base in ("compressed", "residual"):
+            self._check_room(HOST[base], sum(1 for k in keys if k[0] == base), f"swapping out {list(ids)[:4]}")
         self._parked = []
         try:
             # Host pages are taken head first (ascending ids on a fresh pool, like the device pages of a
             # sequence that was filled at once) so both sides form the same runs and the host tier copies
             # whole runs on the copy engine instead of gathering pages with a kernel that competes with
             # decode; device pages are released tail first, as free() releases.
-            for s in seqs:
-                for i in range(s.cold, len(s.table)):
-                    key = (self._base(s, i), s.table[i])
-                    if key not in moves:
-                        moves[key] = self._alloc(HOST[key[0]])
+            alloc, release = self._alloc, self._release
+            moves = {key: alloc(HOST[key[0]]) for key in keys}
             placed: set = set()
             for s in seqs:
-                for i in range(len(s.table) - 1, s.cold - 1, -1):
-                    base, dev = self._base(s, i), s.table[i]
-                    hp = moves[(base, dev)]
-                    if (base, dev) in placed:
-                        self._pools[HOST[base]].ref[hp] += 1
-                    placed.add((base, dev))
-                    s.table[i] = hp
-                    self._release(base, dev)
+                table = s.table
+                for i, key in reversed(list(enumerate(self._device_keys(s), s.cold))):
+                    hp = moves[key]
+                    if key in placed:
+                        self._pools[HOST[key[0]]].ref[hp] += 1
+                    else:
+                        placed.add(key)
+                    table[i] = hp
+                    release(*key)
                 s.swapped = True
             parked = self._parked
         finally:
@@ -187,18 +179,19 @@ class TieringMixin:
         hashes: dict[tuple[str, int], str | None] = {}
         need = {"compressed": 0, "residual": 0}
         revived: set[int] = set()
-        for s in seqs:
-            for i in range(len(s.table) if s.swapped else s.cold):
-                base = self._base(s, i)
-                key = (base, s.table[i])
+        hash_page, cref = self._hash_page, self._pools["compressed"].ref
+        host_keys = [self._host_keys(s) for s in seqs]
+        for s, keys in zip(seqs, host_keys):
+            nh = len(s.hashes)
+            for i, key in enumerate(keys):
                 if key in actions:
                     continue
-                h = s.hashes[i] if base == "compressed" and i < len(s.hashes) else None
-                dev = self._hash_page.get(h) if h is not None else None
+                h = s.hashes[i] if i < nh and key[0] == "compressed" else None
+                dev = hash_page.get(h) if h is not None else None
                 actions[key], hashes[key] = dev, h
                 if dev is None:
-                    need[base] += 1
-                elif self._pools["compressed"].ref[dev] == 0 and dev in self._lru:
+                    need[key[0]] += 1
+                elif cref[dev] == 0 and dev in self._lru:
                     revived.add(dev)
         avail = {"compressed": len(self._pools["compressed"].free) + len(self._lru) - len(revived),
                  "residual": len(self._pools["residual"].free)}
@@ -219,16 +212,17 @@ class TieringMixin:
                     self._register(dev, hashes[key])
                 to_device.append((key[0], key[1], dev))
         placed: set = set()
-        for s in seqs:
-            for i in range(len(s.table) if s.swapped else s.cold):
-                base = self._base(s, i)
-                key = (base, s.table[i])
+        release = self._release
+        for s, keys in zip(seqs, host_keys):
+            table = s.table
+            for i, key in enumerate(keys):
                 dev = actions[key]
                 if key in placed:
-                    self._pools[base].ref[dev] += 1
-                placed.add(key)
-                s.table[i] = dev
-                self._release(HOST[base], key[1])
+                    self._pools[key[0]].ref[dev] += 1
+                else:
+                    placed.add(key)
+                table[i] = dev
+                release(HOST[key[0]], key[1])
             s.swapped, s.cold = False, 0
         spills, self._spills = self._spills, []
         return TransferPlan(to_host=spills, to_device=to_device)
@@ -242,8 +236,17 @@ class TieringMixin:
 
     # -- internals ----------------------------------------------------------
     @staticmethod
-    def _base(s, i: int) -> str:
-        return "compressed" if i < s.num_compressed else "residual"
+    def _host_keys(s) -> list[tuple[str, int]]:
+        """``(device pool, host page)`` of the sequence's host pages (all when swapped out), in logical order."""
+        nc, table = s.num_compressed, s.table
+        return [("compressed" if i < nc else "residual", table[i])
+                for i in range(len(table) if s.swapped else s.cold)]
+
+    @staticmethod
+    def _device_keys(s) -> list[tuple[str, int]]:
+        """``(pool, page)`` of the sequence's device pages past its cold ones, in logical order."""
+        nc, table = s.num_compressed, s.table
+        return [("compressed" if i < nc else "residual", table[i]) for i in range(s.cold, len(table))]
 
     def _tier_args(self, seq_ids: Sequence[Hashable], what: str) -> tuple[tuple, list]:
         ids = seq_id_list(seq_ids, what)
