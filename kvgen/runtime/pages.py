@@ -3,7 +3,7 @@
 :class:`AppendPlan`, :class:`Phase` and :class:`StepPlan` are what
 :class:`~.block_manager.BlockManager` tells its caller to do;
 ``_Pool``, ``_Seq``, ``_PrefixCache`` and ``_Draft`` are the manager's own
-books (private to it and to :mod:`.tiering`). :func:`page_hash` names a
+books (private to it and to its mixins, :mod:`.reservation` and :mod:`.tiering`). :func:`page_hash` names a
 full page in the prefix cache.
 """
 
