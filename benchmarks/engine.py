@@ -313,7 +313,9 @@ def main(argv=None) -> int:
         budget = (2 if q else args.kv_bound_gb) * 2**30
         for kv in kvs:
             def kv_bound(kv=kv):
-                eng = make_engine(kv, max_model_len=ctx + 256, max_num_seqs=256, max_tokens=4096)
+                # one sequence's engine only to read the scheme's bytes per token (the planner refuses 256
+                # sequences of 32K tokens: more than the GPU and the host tier hold)
+                eng = make_engine(kv, max_model_len=ctx + 256, max_num_seqs=1, max_tokens=ctx + 256)
                 per_token = eng.plan.kv_bytes_per_token
                 holder = [eng]
                 del eng
@@ -321,7 +323,8 @@ def main(argv=None) -> int:
                 cap = int(budget // per_token)
                 n = max(1, cap // (ctx + 128))
                 reqs = workload(2 * n, seed=2, prompt=(ctx - 64, ctx), output=(128, 128))
-                return throughput_record(kv, reqs, max_model_len=ctx + 256, max_num_seqs=256, max_tokens=cap,
+                # max_num_seqs = every request: the KV budget, not the sequence limit, bounds concurrency
+                return throughput_record(kv, reqs, max_model_len=ctx + 256, max_num_seqs=len(reqs), max_tokens=cap,
                                          context=ctx)
             attempt(kv_bound)
     if "ttft" in parts:
