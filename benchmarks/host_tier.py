@@ -25,8 +25,9 @@ the direction of the transfer):
 - ``decode_during_swap_out``: the all-device decode step of ``--bg-batch``
   (32) sequences of ``--context`` tokens while another sequence of half
   ``--swap-tokens`` swaps out in the background, ``--bg-rounds`` times;
-  ``slowdown`` = ms / gpu_ms - 1 over the steps while the copies run
-  (done-when: <= 0.03; :func:`background_swap`).
+  ``slowdown``: the median round's mean step during the copies over the
+  steps alone just before and after it, - 1 (done-when: <= 0.03;
+  :func:`background_swap`).
 
 Each ``decode_host`` record also has ``predicted_ms``: the planner's step
 cost (:func:`kvgen.planner.host_cost.host_step_cost`, the function plans
@@ -173,9 +174,12 @@ class Bench:
 def background_swap(b: Bench, cache, kv: str, ids: list, L: int, tokens: int, rounds: int, repeat: int) -> dict:
     """The ``decode_during_swap_out`` record: decode steps of ``ids`` while a ``tokens``-token sequence swaps out.
 
-    ``rounds`` times: ``repeat`` steps alone (the baseline, median), then the
-    swap-out and the steps until its copies finished. ``slowdown`` compares
-    the mean step during the copies with the baseline; the ``swap_out`` call
+    ``repeat`` steps alone (a baseline), then ``rounds`` times: the swap-out,
+    the steps until its copies finished, ``repeat`` steps alone again. Each
+    round's slowdown compares its steps during the copies (mean) with the
+    baselines just before and after it (median), so a drift of the GPU's
+    speed over the run (seen on the H200: +7% between rounds with no swap)
+    is not counted; ``slowdown`` is the median round's. The ``swap_out`` call
     itself (page accounting, queueing the copies) is ``issue_ms``, host time
     between two steps, counted in by ``slowdown_with_issue``.
     """
@@ -189,27 +193,36 @@ def background_swap(b: Bench, cache, kv: str, ids: list, L: int, tokens: int, ro
         b.sync_compute()  # not the side stream: a device-wide sync would wait for the swap itself
         return (time.perf_counter() - t) * 1e3
 
-    base, during, issue = [], [], []
-    for _ in range(rounds):
+    def alone() -> list[float]:
         b.sync()
-        base += [step_ms() for _ in range(repeat)]
+        return [step_ms() for _ in range(repeat)]
+
+    bases, during, issue = [alone()], [], []
+    for _ in range(rounds):
         b.fill(cache, "bg", tokens)
         b.sync()
         t = time.perf_counter()
         cache.swap_out(["bg"])  # returns once the copies are queued on the side stream (CUDA)
         issue.append((time.perf_counter() - t) * 1e3)
+        steps = []
         while True:
-            during.append(step_ms())
+            steps.append(step_ms())
             if cache.host_tier.cuda is False or all(ev.query() for ev, _ in cache._held):
                 break
+        during.append(steps)
         cache.wait_host_tier()
         cache.free("bg")
-    gpu_ms, ms = statistics.median(base), statistics.mean(during)
-    return dict(op="decode_during_swap_out", scheme=kv, host_fraction=None, B=len(ids), context=L, ms=ms,
-                bytes=-(-tokens // cache.page_size) * page_bytes(cache), bw_fraction=None, gpu_ms=gpu_ms,
-                steps=len(during), rounds=rounds, slowdown=ms / gpu_ms - 1, issue_ms=statistics.mean(issue),
-                slowdown_with_issue=(sum(during) + sum(issue)) / len(during) / gpu_ms - 1,
-                step_ms=during, base_ms=base)
+        bases.append(alone())
+    ref = [statistics.median(bases[r] + bases[r + 1]) for r in range(rounds)]
+    per_round = [statistics.mean(d) / m - 1 for d, m in zip(during, ref)]
+    with_issue = [(sum(d) + i) / len(d) / m - 1 for d, i, m in zip(during, issue, ref)]
+    gpu_ms = statistics.median(ref)
+    flat = [x for d in during for x in d]
+    return dict(op="decode_during_swap_out", scheme=kv, host_fraction=None, B=len(ids), context=L,
+                ms=statistics.mean(flat), bytes=-(-tokens // cache.page_size) * page_bytes(cache), bw_fraction=None,
+                gpu_ms=gpu_ms, steps=len(flat), rounds=rounds, slowdown=statistics.median(per_round),
+                slowdown_rounds=per_round, issue_ms=statistics.mean(issue),
+                slowdown_with_issue=statistics.median(with_issue), step_ms=during, base_ms=bases)
 
 
 def page_bytes(cache, pool: str = "compressed") -> int:
@@ -338,7 +351,7 @@ def main(argv=None) -> int:
     ap.add_argument("--swap-tokens", type=int, default=None, help="swapped sequence (default 100000; smoke 256)")
     ap.add_argument("--bg-batch", type=int, default=None,
                     help="decode batch while a sequence swaps out (default 32; smoke 2)")
-    ap.add_argument("--bg-rounds", type=int, default=3, help="background swap-outs timed (default 3)")
+    ap.add_argument("--bg-rounds", type=int, default=5, help="background swap-outs timed (default 5)")
     ap.add_argument("--repeat", type=int, default=None, help="timed decode steps (default 10; smoke 1)")
     ap.add_argument("--parts", default="tier,engine",
                     help="tier (pinned, swaps, decode_host, background swap) and/or engine (default both)")
