@@ -228,6 +228,7 @@ def ttft_record(kv, L) -> dict:
 
 
 def plot(records, path):
+    """One bar panel per record kind present (decode step ms against its roofline, tokens/s, TTFT ms)."""
     try:
         import matplotlib
 
@@ -235,23 +236,29 @@ def plot(records, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
-    steps = [r for r in records if r["kind"] == "step"]
-    labels = [f"{r['engine']} {r['kv']}\nB{r['B']} L{r['context']}" for r in steps]
-    a.bar(range(len(steps)), [r["ms"] for r in steps], label="measured")
-    a.scatter(range(len(steps)), [r["roofline_ms"] for r in steps], color="k", marker="_", s=400, label="roofline")
-    a.set_xticks(range(len(steps)))
-    a.set_xticklabels(labels, fontsize=6, rotation=60)
-    a.set_ylabel("ms per decode step")
-    if steps:
-        a.set_yscale("log")
-    a.legend()
-    thr = [r for r in records if r["kind"] == "throughput"]
-    b.bar(range(len(thr)), [r["tokens_per_s"] for r in thr])
-    b.set_xticks(range(len(thr)))
-    b.set_xticklabels([f"{r['engine']} {r['kv']}\n{r['requests']} req ctx {r['context'] or 'mixed'}" for r in thr],
-                      fontsize=6, rotation=60)
-    b.set_ylabel("generated tokens / s")
+
+    def label(r):
+        size = f"B{r['B']} L{r['context']}" if r["kind"] != "throughput" else \
+            f"{r['requests']} req, ctx {r['context'] or '512-2K'}"
+        return f"{r['engine']} {r['kv']}\n{size}"
+
+    panels = [(k, y, [r for r in records if r["kind"] == k])
+              for k, y in (("step", "ms per decode step"), ("throughput", "generated tokens / s"),
+                           ("ttft", "ms to first token"))]
+    panels = [p for p in panels if p[2]]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+    for ax, (kind, ylabel, rs) in zip(axes[0], panels):
+        ax.bar(range(len(rs)), [r["tokens_per_s"] if kind == "throughput" else r["ms"] for r in rs],
+               label="measured")
+        if kind == "step":
+            ax.scatter(range(len(rs)), [r["roofline_ms"] for r in rs], color="k", marker="_", s=400, label="roofline")
+            ax.set_yscale("log")
+            ax.legend()
+        ax.set_xticks(range(len(rs)))
+        ax.set_xticklabels([label(r) for r in rs], fontsize=7, rotation=60)
+        ax.set_ylabel(ylabel)
     fig.suptitle("kvgen engine, Llama-3-8B shape, random bf16 weights")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
