@@ -166,6 +166,7 @@ class HostTierMixin:
     def _reserve_tiered(self, seq_ids: tuple, num_new: tuple, token_ids):
         """reserve_step with a host tier: ring room checked first, evicted prefix pages spilled, copies awaited."""
         bm = self.block_manager
+        self.host_tier.stage_ahead_more()  # first thing: the copy runs while this step is planned
         self._reap()
         for sid in seq_ids:
             bm._live(sid)  # a swapped-out sequence: SwappedOut before anything else
@@ -186,14 +187,15 @@ class HostTierMixin:
         return reservation
 
     def _stage_first(self, cold) -> None:
-        """A new step's cold pages are known: take layer 0 if the previous step staged it ahead; on CUDA start
-        copying layers 0 and 1 (both ring slots) while plan_step packs the rest (the slots' last readers,
-        the previous step's last layers, are already queued)."""
+        """A new step's cold pages are known: take layers 0 and 1 if they were staged ahead for these pages; on
+        CUDA start copying the others of the two (both ring slots) while plan_step packs the rest (the slots'
+        last readers, the previous step's last layers, are already queued)."""
         tier = self.host_tier
-        first = 1 if tier.take_ahead(cold) else 0
+        taken = tier.take_ahead(cold)
         if tier.cuda:
-            for layer in range(first, min(2, self.num_layers)):
-                tier.stage(layer, cold)
+            for layer in range(min(2, self.num_layers)):
+                if layer not in taken:
+                    tier.stage(layer, cold)
 
     def _attention(self, step: StepMetadata, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The pools and block table a kernel reads for ``layer``: with cold pages, staged first."""

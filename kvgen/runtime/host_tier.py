@@ -98,7 +98,7 @@ class HostTier:
                              num_host_pages, num_host_residual_pages, pin=self.cuda)
         self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._ahead: tuple | None = None  # (runs, num_pages, event): layer 0 staged for the next step
+        self._ahead: tuple | None = None  # (runs, num_pages, cold stage, {layer: event}) staged for a next step
 
     def run(self, plan: TransferPlan):
         """Run ``plan.to_host`` then ``plan.to_device`` for every layer; an event (CUDA) or None."""
@@ -120,25 +120,40 @@ class HostTier:
 
         Call once this step's last reader of slot 0 is queued. A decode
         step's cold pages are its predecessor's (they never change on the
-        host), so the link copies the next step's first layer while the host
-        samples and plans it; :meth:`take_ahead` hands the copy to that step.
+        host), so the link copies the next step's first layers while the
+        host samples and plans it (:meth:`stage_ahead_more` adds layer 1 as
+        that planning starts); :meth:`take_ahead` hands the copies over.
         """
         ev = self.stage(0, cold)
-        self._ahead = (cold.runs, cold.num_pages, ev)
+        self._ahead = (cold.runs, cold.num_pages, cold, {0: ev})
 
-    def take_ahead(self, cold: ColdStage) -> bool:
-        """True (and ``cold``'s layer 0 is staged) if :meth:`stage_ahead` staged exactly these cold pages last.
+    def stage_ahead_more(self) -> None:
+        """At the start of planning a step: also stage layer 1 of what :meth:`stage_ahead` staged layer 0 of.
 
-        Anything staged into slot 0 since, and any transfer plan run since
-        (host pages freed or rewritten), made the copy stale: False then.
+        Slot 1's last reader, the previous step's last layer, is queued by
+        then. Speculative: :meth:`take_ahead` uses it only if the new step's
+        cold pages are the same; otherwise the step restages the slot.
+        """
+        ahead = self._ahead
+        if ahead is None or 1 in ahead[3] or len(self.page_pool.layers) < 2:
+            return
+        ahead[3][1] = self.stage(1, ahead[2])
+
+    def take_ahead(self, cold: ColdStage) -> set:
+        """The layers (of 0 and 1) staged ahead for exactly these cold pages, now marked staged in ``cold``.
+
+        Empty when nothing was staged ahead, when the cold pages differ, or
+        when a transfer plan ran since (host pages freed or rewritten) or
+        something else was staged into slot 0: the copies may be stale then.
         """
         ahead, self._ahead = self._ahead, None
         if ahead is None or ahead[0] != cold.runs or ahead[1] != cold.num_pages:
-            return False
-        cold.slot_layer[0] = 0
-        if ahead[2] is not None:
-            cold.events[0] = ahead[2]
-        return True
+            return set()
+        for layer, ev in ahead[3].items():
+            cold.slot_layer[layer % 2] = layer
+            if ev is not None:
+                cold.events[layer] = ev
+        return set(ahead[3])
 
     def stage(self, layer: int, cold: ColdStage):
         """Copy the step's cold pages of ``layer`` into ring slot ``layer % 2``; an event (CUDA) or None."""
