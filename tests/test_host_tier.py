@@ -351,3 +351,27 @@ def test_layer_zero_staged_ahead_is_not_reused_once_the_host_pages_changed():
     assert second.cold.runs == first.runs and second.cold.slot_layer[0] != 0 or tier.host_tier.cuda
     tier.step = None
     decode_equal("b")
+
+
+def test_cold_entries_are_ordered_by_host_id_in_runs_of_consecutive_ids():
+    """build_step's tensor-op ordering of a step's cold entries against the plain definition (sorted tuples)."""
+    import random
+
+    from kvgen.runtime.host_tier import runs
+    from kvgen.runtime.step import _cold_order
+
+    for trial in range(200):
+        rng = random.Random(trial)
+        B, max_pages = rng.randint(1, 6), rng.randint(1, 12)
+        if trial % 3:  # any ids
+            ids = rng.sample(range(200), B * max_pages)
+        else:  # long consecutive runs, as a fresh host pool hands out
+            start = rng.randint(0, 50)
+            ids = list(range(start, start + B * max_pages))
+        tables = [ids[b * max_pages:(b + 1) * max_pages] for b in range(B)]
+        host_pages = [rng.randint(0, max_pages) for _ in range(B)]
+        host_pages[0] = max(host_pages[0], 1)
+        entries = sorted((tables[b][i], b * max_pages + i) for b in range(B) for i in range(host_pages[b]))
+        got_runs, got_at = _cold_order(tables, host_pages, max_pages)
+        assert got_runs == runs([(h, pos) for pos, (h, _) in enumerate(entries)]), trial
+        assert list(got_at) == [a for _, a in entries], trial
