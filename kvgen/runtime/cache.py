@@ -32,6 +32,10 @@ chunk in the scheme's format for later steps. ``prefill(layer, q, None,
 None)`` after ``append_kv`` reads every key from the pages, chunk included,
 and ``decode`` always reads the whole history, the new token too, from the
 pages.
+
+This module holds the cache's sequences, step planning and per-layer ops,
+and :func:`load`; the host tier's operations are in :mod:`.cache_tier`, the
+kernel checks and launch-config choice (autotuning) in :mod:`.cache_kernels`.
 """
 
 from __future__ import annotations
@@ -45,16 +49,14 @@ import torch
 
 from .autotune import Autotuner
 from .block_manager import COMPRESSED, RESIDUAL, BlockManager
+from .cache_kernels import REQUIRED_OPS, KernelConfigMixin, _check_kernels_can_run
 from .cache_tier import HostTierMixin
-from .env import triton_interpret
 from .errors import KvgenRuntimeError, seq_id_list
 from .page_pool import PagePool, _indexed, default_device, pool_sizes
 from .step import DeviceBuffers, StepMetadata, build_step
 
-REQUIRED_OPS = ("decode", "prefill", "cache_write", "page_copy")
 
-
-class KVCache(HostTierMixin):
+class KVCache(HostTierMixin, KernelConfigMixin):
     """The runtime of one generated plan: page pools, block manager, kernels, step metadata.
 
     Construct through :func:`load` (or a generated package's ``load()``).
@@ -249,69 +251,6 @@ class KVCache(HostTierMixin):
         self.step = step
         return step
 
-    def _configs(self, step: StepMetadata) -> dict[str, Any]:
-        # Host-only lookups (a remembered winner or the model's config; timing only with
-        # KVGEN_AUTOTUNE=sync); a decode step gets the decode config, any other step the
-        # prefill one. Autotuner.config never raises, so plan_step stays all-or-nothing.
-        configs: dict[str, Any] = {}
-        if step.is_decode:
-            configs["decode"] = self._config("decode", (step.batch, step.max_seq_len))
-        else:
-            configs["prefill"] = self._config("prefill", (step.batch, max(1, step.max_q_len), step.max_seq_len))
-        return configs
-
-    def _config(self, op: str, shape: tuple[int, ...]) -> dict[str, Any] | None:
-        try:
-            return self.autotuner.config(op, self.kernels[op], shape, lambda cfg: self._bench(op, shape, cfg),
-                                         self._hashes.get(op))
-        finally:
-            self.__dict__.pop("_bench_inputs", None)  # tuning's synthetic inputs (GBs for a long prefill)
-
-    def _bench(self, op: str, shape: tuple[int, ...], config: dict[str, Any]):
-        """A closure running ``op`` once with ``config`` on synthetic inputs of the bucket's shape (reads only).
-
-        The inputs are made on the device once per (op, bucket) and shared by
-        every candidate of that bucket; whoever tunes drops them afterwards
-        (``_config``, ``autotune.tune``: ``self._bench_inputs``).
-        """
-        from .autotune import bucket
-        B, S = bucket(shape[0]), bucket(shape[-1])
-        Q = min(bucket(shape[1]), S) if op != "decode" else 1
-
-        def inputs() -> dict[str, torch.Tensor]:
-            # Random page ids (pages scattered as in a long-running server), drawn on the device.
-            dev, P = self.device, self.page_size
-            pages = -(-S // P)
-            nc = pages if self.residual_tokens is None else max(0, S // P - self.residual_tokens // P)
-            bt = torch.randint(0, max(1, self.num_pages), (B, pages), dtype=torch.int32, device=dev)
-            if self.residual_tokens is not None and pages > nc:
-                res = torch.randint(0, max(1, self.num_residual_pages), (B, pages), dtype=torch.int32, device=dev)
-                bt = torch.where(torch.arange(pages, device=dev)[None, :] >= nc, res, bt)
-            t = {"bt": bt, "seq_lens": torch.full((B,), S, dtype=torch.int32, device=dev),
-                 "ncomp": torch.full((B,), nc, dtype=torch.int32, device=dev)}
-            rows = B if op == "decode" else B * Q
-            t["q"] = torch.randn(rows, self.num_q_heads, self.head_dim, device=dev, dtype=self.dtype)
-            t["out"] = torch.empty_like(t["q"])
-            if op != "decode":
-                t["k_new"] = torch.randn(rows, self.num_kv_heads, self.head_dim, device=dev, dtype=self.dtype)
-                t["v_new"] = torch.randn_like(t["k_new"])
-                t["cu"] = torch.arange(0, B + 1, dtype=torch.int32, device=dev) * Q
-            return t
-
-        memo = getattr(self, "_bench_inputs", None)
-        if memo is None or memo[0] != (op, B, Q, S):
-            memo = ((op, B, Q, S), inputs())
-            self._bench_inputs = memo
-        t = memo[1]
-        pools = self.pools[0]
-        mod = self.kernels[op]
-        if op == "decode":
-            return lambda: mod.launch(t["q"], t["out"], pools, t["bt"], t["seq_lens"], t["ncomp"], self.sm_scale,
-                                      config=config)
-        # The chunk's own K/V fresh, as prefill(layer, q, k, v) -- the usual call -- runs the kernel.
-        return lambda: mod.launch(t["q"], t["out"], pools, t["bt"], t["seq_lens"], t["ncomp"], t["cu"], Q,
-                                  self.sm_scale, config=config, k_new=t["k_new"], v_new=t["v_new"])
-
     # -- per-layer ops (no host synchronization) -----------------------------------
     def _current(self, seq_ids: Sequence[Hashable] | None) -> StepMetadata:
         step = self.step
@@ -493,20 +432,6 @@ class KVCache(HostTierMixin):
         k = torch.cat(ks).permute(1, 0, 2, 3).reshape(H, -1, D)[:, :n]
         v = torch.cat(vs).permute(1, 0, 2, 3).reshape(H, -1, D)[:, :n]
         return k.float(), v.float()
-
-
-def _check_kernels_can_run(device: torch.device, kernels: Mapping[str, ModuleType]) -> None:
-    """Refuse a CPU cache whose Triton kernels would not run in the interpreter (Triton: '0 active drivers')."""
-    if device.type != "cpu":
-        return
-    # Generated modules record at import whether Triton interprets them (INTERPRET); triton.jit decides then too.
-    compiled = sorted(op for op, mod in kernels.items() if getattr(mod, "INTERPRET", None) is False)
-    if compiled or not triton_interpret():
-        when = (f"the kernels ({', '.join(compiled)}) were imported without it" if compiled and triton_interpret()
-                else "TRITON_INTERPRET is not set")
-        raise KvgenRuntimeError(
-            f"Triton kernels cannot run on the CPU unless interpreted, and {when}: set TRITON_INTERPRET=1 "
-            f"in the environment before triton (or the generated package) is imported, or use a CUDA device")
 
 
 def load(plan: Mapping[str, Any], kernels: Mapping[str, ModuleType], device: torch.device | str | None = None,
