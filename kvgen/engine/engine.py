@@ -14,6 +14,10 @@ prompt's logits arrive, ``n`` tokens are drawn and the sequence is forked
 in the cache (the completions share the prompt's pages). With
 ``async_scheduling`` the host plans decode step n+1 while the device runs
 step n, and reads step n's tokens afterwards (a one-step lag).
+
+This module holds requests, the step loop, async scheduling and stop
+conditions; what :meth:`LLMEngine.step` returns (snapshot/delta/final
+outputs, completion texts) is built in :mod:`.engine_outputs`.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from typing import Any
 
 import torch
 
-from .detokenizer import IncrementalDetokenizer
+from .engine_outputs import OutputsMixin
 from .errors import EngineError
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import RequestOutput
 from .runner import ModelRunner
 from .sampler import PendingSample, SampleSlot, sample_async
 from .sampling_params import SamplingParams
@@ -35,7 +39,7 @@ from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status
 
 
-class LLMEngine:
+class LLMEngine(OutputsMixin):
     """Continuous-batching engine over one model and one KVCache.
 
     ``runner``: anything with ``run(step, input_ids, positions, sample_rows)
@@ -70,32 +74,6 @@ class LLMEngine:
         self._inflight: _InFlight | None = None
         self._late: dict[str, Request] = {}  # requests changed by a drain outside step(): its next outputs
         self.async_scheduling = async_scheduling
-
-    OUTPUT_KINDS = ("cumulative", "delta", "final")
-
-    @property
-    def output_kind(self) -> str:
-        """What :meth:`step` returns for a request that changed.
-
-        ``"cumulative"`` (the default): a snapshot -- every token, logprob and
-        (with :attr:`stream_text`) the text so far; O(length) per output.
-        ``"delta"``: only what is new since the request's last output (token
-        ids, logprobs, text; ``cumulative_logprob`` is the running total) and
-        ``finished``; O(new tokens) per output. Concatenated, the deltas are
-        the cumulative output. Text is held back while it ends in an
-        incomplete UTF-8 character, and, with stop strings, its last
-        ``max(len(stop)) - 1`` characters (a stop string may still complete
-        there and is then cut).
-        ``"final"``: nothing until a request finishes, then its full output.
-        :meth:`output_of` always gives the full snapshot.
-        """
-        return self._output_kind
-
-    @output_kind.setter
-    def output_kind(self, kind: str) -> None:
-        if kind not in self.OUTPUT_KINDS:
-            raise EngineError(f"output_kind must be one of {', '.join(self.OUTPUT_KINDS)}, not {kind!r}")
-        self._output_kind = kind
 
     # -- requests ---------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -364,21 +342,6 @@ class LLMEngine:
             return ()
         return tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)))
 
-    def _text(self, seq: Sequence) -> str:
-        """The whole completion decoded at once (its final text)."""
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.request.params.skip_special_tokens)
-
-    def _running_text(self, seq: Sequence) -> str:
-        """The completion's text so far, decoded incrementally (without a trailing incomplete character)."""
-        if self.tokenizer is None:
-            return ""
-        if seq.detok is None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.request.params.skip_special_tokens)
-        seq.detok.update(_Window(seq.tokens, seq.num_prompt))
-        return seq.detok.text
-
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.request.params
         num_out = seq.num_output
@@ -409,68 +372,6 @@ class LLMEngine:
         if req.refresh_finished():
             req.metrics.finished_time = time.perf_counter()
 
-    def _collect(self, changed: dict[str, Request]) -> list[RequestOutput]:
-        outs = []
-        kind = self._output_kind
-        for rid, req in changed.items():
-            if kind == "cumulative":
-                outs.append(self.output_of(req, text=self.stream_text))
-            elif kind == "delta":
-                outs.append(self._delta_of(req))
-            elif req.finished:
-                outs.append(self.output_of(req))
-            if req.finished:
-                self.requests.pop(rid, None)
-        return outs
-
-    def _delta_of(self, req: Request) -> RequestOutput:
-        """What is new in ``req`` since its last delta output (see :attr:`output_kind`)."""
-        comps = []
-        holdback = max((len(s) for s in req.params.stop), default=1) - 1 if req.params.stop else 0
-        for seq in (req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=_by_index)):
-            c = seq.completion
-            start, end = seq.tokens_sent, seq.num_output
-            p0 = seq.num_prompt
-            ids = seq.tokens[p0 + start:p0 + end]
-            lps = None if c.logprobs is None else c.logprobs[start:end]
-            seq.tokens_sent = end
-            if c.finish_reason is not None:
-                full = c.text
-            elif self.tokenizer is not None:
-                full = self._running_text(seq)
-                full = full[:max(len(full) - holdback, seq.text_len_sent)]
-            else:
-                full = ""
-            # a finished text is a whole decode; it extends what was streamed (see .detokenizer)
-            text = full[seq.text_len_sent:]
-            seq.text_len_sent = max(seq.text_len_sent, len(full))
-            comps.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob, lps, c.finish_reason,
-                                          c.stop_reason))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_out(), comps, req.finished, req.metrics,
-                             req.num_cached_tokens)
-
-    def output_of(self, req: Request, text: bool = True) -> RequestOutput:
-        """A snapshot of ``req`` (texts decoded for running sequences only when ``text``).
-
-        The completion lists are the output's own copies. ``prompt_token_ids``
-        is one copy of the prompt made once per request and shared by all its
-        outputs (as vLLM's): copying a long prompt into every output of every
-        step cost more than the rest of the step at large batches. The engine
-        never reads that copy, so changing it cannot change the request.
-        """
-        comps = []
-        seqs = req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=_by_index)
-        for seq in seqs:
-            c = seq.completion
-            if c.finish_reason is None and text:
-                c.text = self._running_text(seq)
-            comps.append(CompletionOutput(c.index, c.text, seq.output_ids, c.cumulative_logprob,
-                                          None if c.logprobs is None else list(c.logprobs), c.finish_reason,
-                                          c.stop_reason))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_out(), comps, req.finished, req.metrics,
-                             req.num_cached_tokens)
-
-
 class _InFlight:
     """A launched decode step whose sampled ids the host has not read yet (async scheduling).
 
@@ -488,28 +389,7 @@ class _InFlight:
         self.zombies: list[Sequence] = []
 
 
-class _Window:
-    """``tokens[offset:]`` as a sliceable sequence without copying it (slices copy only what they cover)."""
-
-    __slots__ = ("tokens", "offset")
-
-    def __init__(self, tokens: list[int], offset: int) -> None:
-        self.tokens = tokens
-        self.offset = offset
-
-    def __len__(self) -> int:
-        return len(self.tokens) - self.offset
-
-    def __getitem__(self, s: slice) -> list[int]:
-        o = self.offset
-        return self.tokens[o + (s.start or 0):o + (len(self) if s.stop is None else s.stop)]
-
-
 _NONE: list[int] = []  # shared empty history (the sampler only reads it)
-
-
-def _by_index(seq: Sequence) -> int:
-    return seq.index
 
 
 def _uses_history(p: SamplingParams) -> bool:
