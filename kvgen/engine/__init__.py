@@ -5,7 +5,8 @@ Layers (each a module): ``config`` (ModelConfig from config.json), ``model``
 and ``graphs`` (a step through the model, decode in CUDA graphs),
 ``scheduler`` / ``sequence`` (who runs each step), ``sampler`` /
 ``sampling_params`` (next tokens), ``engine`` (LLMEngine: add_request /
-step / abort_request), ``llm`` (LLM: generate / stream / chat), ``cli``
+step / abort_request) with ``engine_outputs`` (what a step returns: deltas,
+snapshots, decoded text), ``llm`` (LLM: generate / stream / chat), ``cli``
 (``kvgen generate``); tensor parallelism: ``shard`` (a rank's share of the
 weights), ``parallel`` (ranks as processes, rank 0's cache calls replayed
 on the others; loaded only for tp > 1) and ``worker`` (a rank's entry point).
