@@ -657,6 +657,30 @@ def test_held_pages_wait_for_release():
     assert bm.num_held_pages() == 0 and bm.num_free_pages(COMPRESSED) == 2
 
 
+def test_pages_a_fork_still_holds_stay_held_until_the_copy_read_them():
+    """swap_out(a) copies pages a shares with its fork b; if b is freed before the copy ran, those pages must
+    not be handed out (and rewritten) yet. Two swaps reading the same page hold it until both released."""
+    bm = BlockManager(2, 4, 0, None, "s", num_host_pages=8)
+    bm.add_sequence("a")
+    bm.append("a", 4)                      # pages 0, 1
+    bm.fork("a", "b")
+    first = bm.swap_out(["a"], hold=True)  # reads 0 and 1; b still references them
+    assert bm.num_held_pages() == 2
+    bm.free("b")
+    assert bm.num_free_pages(COMPRESSED) == 2  # 0 and 1 stay out of reach
+    bm.release_held(first.ticket)
+    assert bm.num_held_pages() == 0 and bm.num_free_pages(COMPRESSED) == 4
+
+    bm.swap_in(["a"])
+    bm.fork("a", "c")
+    one = bm.swap_out(["a"], hold=True)    # both swaps read a's pages, c's swap releases them
+    two = bm.swap_out(["c"], hold=True)
+    bm.release_held(one.ticket)
+    assert bm.num_held_pages() == 2 and bm.num_free_pages(COMPRESSED) == 2  # the second copy still reads them
+    bm.release_held(two.ticket)
+    assert bm.num_held_pages() == 0 and bm.num_free_pages(COMPRESSED) == 4
+
+
 def test_prefix_spill_and_restore():
     bm = BlockManager(2, 3, 0, None, "s", num_host_pages=4)
     bm.add_sequence("a")

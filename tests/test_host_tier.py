@@ -375,3 +375,50 @@ def test_cold_entries_are_ordered_by_host_id_in_runs_of_consecutive_ids():
         got_runs, got_at = _cold_order(tables, host_pages, max_pages)
         assert got_runs == runs([(h, pos) for pos, (h, _) in enumerate(entries)]), trial
         assert list(got_at) == [a for _, a in entries], trial
+
+
+def test_two_spills_onto_one_host_page_restore_the_page_registered_there():
+    """With one free host page, one allocation evicting two device prefix pages spills both onto it (the
+    second evicts the first from the host's cache and is registered there): the copies must run in plan
+    order, so a later prefix hit restores the KV registered under that hash. (Found in review: the copies
+    were sorted by device id, and the restored prefix held the other page's KV.)"""
+    kv, dtype, page = "fp32", "float32", 8
+    cache, c = make(kv, dtype, page, host_tokens=2 * page, max_tokens=8 * page)
+    bm = cache.block_manager
+    gen = torch.Generator().manual_seed(3)
+    prefill([cache], {"z": list(range(500, 500 + page + 1))}, gen, c.dtype)
+    cache.make_cold("z", 1)  # one of the two host pages used: exactly one free
+    prompt = list(range(2 * page + 1))
+    prefill([cache], {"a": prompt}, gen, c.dtype)  # two full pages enter the device prefix cache
+    original = [cache.read_kv(layer, "a") for layer in range(LAYERS)]
+    cache.free("a")
+    filler = [1000 + i for i in range(bm.num_free_pages(COMPRESSED) * page)]
+    prefill([cache], {"x": filler}, gen, c.dtype)  # evicts both cached pages: two spills, one host page
+    cache.free("x")
+    hit = cache.add("b", prompt)
+    assert hit > 0
+    for layer in range(LAYERS):
+        k, v = cache.read_kv(layer, "b")
+        assert torch.equal(k, original[layer][0][:, :hit]) and torch.equal(v, original[layer][1][:, :hit])
+
+
+def test_a_swap_in_between_planning_and_running_a_converting_step_makes_it_stale():
+    """plan_step releases the residual pages its conversions read (they return to the free list) though its
+    layers read them later; a swap_in before the layers ran may take them and write another sequence's KV
+    there. Such a step can no longer run (a clear error, not a silently wrong compressed page), and the
+    swapped-in sequence's KV is intact."""
+    kv, dtype, page = "int2:residual=16", "float32", 16
+    cache, c = make(kv, dtype, page, host_tokens=16 * page)
+    gen = torch.Generator().manual_seed(5)
+    prefill([cache], {"a": list(range(3 * page - 1)), "c": list(range(300, 300 + page + 3))}, gen, c.dtype)
+    c_kv = [cache.read_kv(layer, "c") for layer in range(LAYERS)]
+    cache.swap_out(["c"])
+    step = cache.plan_step(["a"], [1])
+    assert step.num_conversions > 0
+    cache.swap_in(["c"])
+    q, k, v = rand(gen, 1, HQ, D, dtype=c.dtype), rand(gen, 1, H, D, dtype=c.dtype), rand(gen, 1, H, D, dtype=c.dtype)
+    with pytest.raises(KvgenRuntimeError, match="swapped in after this step was planned"):
+        cache.decode(0, q, ["a"], k, v)
+    cache.wait_host_tier()
+    for layer in range(LAYERS):
+        assert all(torch.equal(x, y) for x, y in zip(cache.read_kv(layer, "c"), c_kv[layer]))

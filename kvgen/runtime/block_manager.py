@@ -52,7 +52,7 @@ The manager is not thread-safe; call it from one thread (the scheduler's).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 
 from . import journal as J
@@ -132,7 +132,7 @@ class BlockManager(ReservationMixin, TieringMixin):
         self._protect: set[int] = set()  # host pages a restore in progress reads: never spilled over
         # Device pages an asynchronous copy to the host still reads: ticket -> pages, and their set.
         self._held: dict[int, list[tuple[str, int]]] = {}
-        self._held_set: set[tuple[str, int]] = set()
+        self._held_set: Counter[tuple[str, int]] = Counter()  # held page -> tickets holding it
         self._tickets = 0
 
     @property

@@ -190,6 +190,8 @@ class KVCache(HostTierMixin, KernelConfigMixin):
         if self.host_tier is None:
             return self.block_manager.add_sequence(seq_id, token_ids)
         hit, plan = self.block_manager.add_sequence_plan(seq_id, token_ids)
+        if plan.to_device:
+            self._handing_out_pages(f"sequence {seq_id!r} restored a prefix from the host")
         ev = self._run(plan)
         if ev is not None:
             self._arrivals[seq_id] = ev

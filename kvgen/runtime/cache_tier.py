@@ -87,6 +87,8 @@ class HostTierMixin:
         ids = seq_id_list(seq_ids, "swap_in")
         self._tier("swap_in")
         plan = self._retry(lambda: self.block_manager.swap_in(ids))
+        if plan.to_device:
+            self._handing_out_pages(f"sequence {ids[0]!r} was swapped in")
         ev = self._run(plan)
         for sid in ids:
             if ev is not None:
@@ -150,6 +152,21 @@ class HostTierMixin:
                 raise
         self._reap(wait=True)
         return call()
+
+    def _handing_out_pages(self, why: str) -> None:
+        """Device pages are being handed out outside plan_step (a swap-in, a prefix restore).
+
+        A planned step releases the residual pages its conversions read when
+        it is planned (they return to the free list then), but its layers
+        read them later: such a step, not yet written in every layer, can no
+        longer run -- the pages may be the ones handed out now. (The engine
+        swaps before it plans, so it never meets this.)
+        """
+        step = self.step
+        if step is not None and step.stale is None and step.num_conversions and \
+                len(step.written) < self.num_layers:
+            step.stale = (f"{why} after this step was planned, into pages the step's conversions may still read "
+                          f"(plan_step released them)")
 
     def _invalidate(self, seq_ids: Sequence[Hashable], why: str) -> None:
         step = self.step

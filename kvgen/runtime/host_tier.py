@@ -161,6 +161,8 @@ class HostTier:
         cold.slot_layer[slot] = layer
         if slot == 0:
             self._ahead = None
+        elif self._ahead is not None:
+            self._ahead[3].pop(1, None)  # slot 1 now holds another layer (stage_ahead_more re-adds its own)
         if not self.cuda:
             self._stage(layer, cold, slot)
             return None
@@ -197,12 +199,15 @@ class HostTier:
         kernel, which competes with decode for the SMs, but no copy shorter
         than the host runs.
         """
-        by_pool: dict[str, list[tuple[int, int]]] = {}
+        by_pool: dict[str, dict[int, tuple[int, int]]] = {}
         for item in items:
             dev, host = (item[1], item[2]) if host_index == 2 else (item[2], item[1])
-            by_pool.setdefault(item[0], []).append((host, dev))
-        for pool, pairs in by_pool.items():
-            pairs.sort()
+            # Keyed by the copy's destination, the plan's last copy to it wins: two prefix spills of one
+            # plan can land on the same host page (the second evicts the first from the host's cache and
+            # is the one registered there), and sorting both by ids ran them in device-id order instead.
+            by_pool.setdefault(item[0], {})[host if host_index == 2 else dev] = (host, dev)
+        for pool, by_dst in by_pool.items():
+            pairs = sorted(by_dst.values())
             direct = runs(pairs)
             if len(pairs) >= MIN_DIRECT_RUN * len(direct):
                 yield pool, None, direct

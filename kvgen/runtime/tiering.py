@@ -134,7 +134,8 @@ class TieringMixin:
             parked = self._parked
         finally:
             self._parked = None
-        return TransferPlan(to_host=[(b, d, h) for (b, d), h in moves.items()], ticket=self._settle(parked, hold))
+        return TransferPlan(to_host=[(b, d, h) for (b, d), h in moves.items()],
+                            ticket=self._settle(parked, hold, list(moves)))
 
     def make_cold(self, seq_id: Hashable, num_pages: int, hold: bool = False) -> TransferPlan:
         """Keep the sequence's first ``num_pages`` pages in the host tier (its oldest tokens).
@@ -165,7 +166,7 @@ class TieringMixin:
             parked = self._parked
         finally:
             self._parked = None
-        return TransferPlan(to_host=to_host, ticket=self._settle(parked, hold))
+        return TransferPlan(to_host=to_host, ticket=self._settle(parked, hold, [(p, d) for p, d, _ in to_host]))
 
     def swap_in(self, seq_ids: Sequence[Hashable]) -> TransferPlan:
         """Bring every host page of the sequences (swapped out, or cold) back to the device, all or nothing.
@@ -228,10 +229,14 @@ class TieringMixin:
         return TransferPlan(to_host=spills, to_device=to_device)
 
     def release_held(self, ticket: int) -> None:
-        """The copies of ``ticket``'s plan have read their device pages: hand those pages out again."""
-        for pool, page in self._held.pop(ticket, ()):
-            self._held_set.discard((pool, page))
-            if self._pools[pool].ref[page] == 0:  # not revived by a prefix hit meanwhile
+        """The copies of ``ticket``'s plan have read their device pages: hand out those no other copy holds."""
+        for key in self._held.pop(ticket, ()):
+            if self._held_set[key] > 1:  # another swap's copy still reads it
+                self._held_set[key] -= 1
+                continue
+            del self._held_set[key]
+            pool, page = key
+            if self._pools[pool].ref[page] == 0:  # not referenced again (a fork, a prefix hit) meanwhile
                 self._drop(pool, page)
 
     # -- internals ----------------------------------------------------------
@@ -267,15 +272,22 @@ class TieringMixin:
                 f"the host tier's {pool} pool is out of pages: {what} needs {need} page(s), {avail} free or "
                 f"evictable; swap in or free a swapped-out sequence, or load with more host_tokens")
 
-    def _settle(self, parked: list, hold: bool) -> int | None:
-        """Device pages a swap released: hold them under a new ticket, or drop them now."""
+    def _settle(self, parked: list, hold: bool, read: list) -> int | None:
+        """Device pages a swap released (``parked``) and read (``read``): with ``hold``, hold them all under a
+        new ticket; else drop the released ones now.
+
+        Pages the copies read but other sequences still reference (a fork's
+        shared pages) are held too: if those sequences free them before the
+        copies ran, they must not be handed out (and rewritten) yet.
+        """
         if not hold:
             for pool, page in parked:
                 self._drop(pool, page)
             return None
         self._tickets += 1
-        self._held[self._tickets] = parked
-        self._held_set.update(parked)
+        pages = list(dict.fromkeys([*parked, *read]))
+        self._held[self._tickets] = pages
+        self._held_set.update(pages)
         return self._tickets
 
     def _spill(self, page: int, h: str) -> None:
