@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
 from kvgen.registry import default_registry
-from kvgen.runtime import OutOfPages
+from kvgen.runtime import KvgenRuntimeError, OutOfPages
 
 from kernels import harness as hz
 from test_runtime_state_machine import D, HQ, RuntimeMachine, case
@@ -121,6 +121,54 @@ class TieredMachine(RuntimeMachine):
             others = [s for s in self._steppable() if s != sid]
             self._decode([sid] + others[:data.draw(st.integers(0, min(2, len(others))))])
 
+    @precondition(lambda self: self._steppable() and any(self.bm.host_pages(s) for s in self.tokens))
+    @rule(data=st.data(), op=st.sampled_from(["swap_in", "restore"]))
+    def tier_op_between_plan_and_run(self, data, op: str) -> None:
+        """A swap-in or a prefix restore between planning a decode step and running its layers (both hand out
+        device pages). The step then runs and gives the expected KV, or it is stale -- it names the swapped
+        sequence, or its conversions read pages planning released -- and says so; its sequences are freed."""
+        batch = data.draw(st.lists(st.sampled_from(self._steppable()), min_size=1, max_size=3, unique=True))
+        new = [[int(x) for x in torch.randint(0, 1000, (1,), generator=self.gen)] for _ in batch]
+        before = self._snapshot()
+        try:
+            self.cache.plan_step(batch, 1, token_ids=new)
+        except OutOfPages:
+            assert self._snapshot() == before, "OutOfPages changed the runtime's state"
+            return
+        for sid, toks in zip(batch, new):
+            self.tokens[sid] = self.tokens[sid] + toks
+        if op == "swap_in":
+            mover = data.draw(st.sampled_from([s for s in sorted(self.tokens) if self.bm.host_pages(s)]))
+            try:
+                self.cache.swap_in([mover])
+            except OutOfPages:
+                pass
+            else:
+                if mover not in batch:  # (a batch sequence's new token is planned, not written yet)
+                    self._check([mover])
+        else:
+            sid, self.next_id = self.next_id, self.next_id + 1
+            prompt = data.draw(st.sampled_from(self.history))
+            hit = self.cache.add(sid, prompt)
+            self.tokens[sid] = prompt[:hit]
+        try:
+            for layer in range(self.c.layers):
+                parts = [self._kv(layer, s, len(self.tokens[s]) - 1, len(self.tokens[s])) for s in batch]
+                k = torch.cat([p[0] for p in parts]).to(self.c.dtype)
+                v = torch.cat([p[1] for p in parts]).to(self.c.dtype)
+                q = torch.randn(len(batch), HQ, D, generator=self.gen).to(self.c.dtype)
+                out = self.cache.decode(layer, q, batch, k, v)
+                self._check_decode(layer, batch, q, out)
+        except KvgenRuntimeError as e:
+            assert "after this step was planned" in str(e), e
+            self.STATS["stale steps"] += 1
+            for sid in batch:  # planned, never written: a caller drops (or replans) them
+                self.cache.free(sid)
+                del self.tokens[sid]
+            return
+        self.STATS["steps across a tier op"] += 1
+        self._check(batch)
+
     def _grow(self, sid) -> bool:
         """Prefill the sequence past its residual window, so it has a full compressed page to make cold."""
         P = self.c.page
@@ -175,4 +223,6 @@ def test_host_tier_state_machine(kv, dtype, page, layers, examples):
     TieredMachine.STATS.clear()
     test("runTest").runTest()
     stats = TieredMachine.STATS
+    print(dict(stats))
     assert stats["swap_out"] and stats["swap_in"] and stats["cold decodes"], stats
+    assert stats["steps across a tier op"], stats
