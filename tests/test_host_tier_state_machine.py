@@ -152,13 +152,7 @@ class TieredMachine(RuntimeMachine):
             hit = self.cache.add(sid, prompt)
             self.tokens[sid] = prompt[:hit]
         try:
-            for layer in range(self.c.layers):
-                parts = [self._kv(layer, s, len(self.tokens[s]) - 1, len(self.tokens[s])) for s in batch]
-                k = torch.cat([p[0] for p in parts]).to(self.c.dtype)
-                v = torch.cat([p[1] for p in parts]).to(self.c.dtype)
-                q = torch.randn(len(batch), HQ, D, generator=self.gen).to(self.c.dtype)
-                out = self.cache.decode(layer, q, batch, k, v)
-                self._check_decode(layer, batch, q, out)
+            self._run_decode(batch)
         except KvgenRuntimeError as e:
             assert "after this step was planned" in str(e), e
             self.STATS["stale steps"] += 1
@@ -199,6 +193,11 @@ class TieredMachine(RuntimeMachine):
         self.STATS["cold decodes"] += 1
         for sid, toks in zip(batch, new):
             self.tokens[sid] = self.tokens[sid] + toks
+        self._run_decode(batch)
+        self._check(batch)
+
+    def _run_decode(self, batch: list) -> None:
+        """Every layer of the planned decode step: each sequence's newest token's K/V written, outputs checked."""
         for layer in range(self.c.layers):
             parts = [self._kv(layer, s, len(self.tokens[s]) - 1, len(self.tokens[s])) for s in batch]
             k = torch.cat([p[0] for p in parts]).to(self.c.dtype)
@@ -206,7 +205,6 @@ class TieredMachine(RuntimeMachine):
             q = torch.randn(len(batch), HQ, D, generator=self.gen).to(self.c.dtype)
             out = self.cache.decode(layer, q, batch, k, v)
             self._check_decode(layer, batch, q, out)
-        self._check(batch)
 
 
 @pytest.mark.parametrize("kv, dtype, page, layers, examples", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
