@@ -168,3 +168,16 @@ def test_gguf_mistakes_are_one_line_kvgen_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     with pytest.raises(GGUFError, match=r"pip install 'kvgen\[eval\]'"):
         LLM(str(tmp_path / "junk.gguf"))
+
+
+def test_a_quantization_gguf_cannot_dequantize_is_a_one_line_error(stories_gguf, monkeypatch):
+    """gguf raises NotImplementedError for a tensor type it has no dequantizer for; kvgen says which file."""
+    import gguf
+
+    def unsupported(data, qtype):
+        raise NotImplementedError(f"Dequantization for {qtype} is not yet implemented\n(traceback detail)")
+
+    monkeypatch.setattr(gguf, "dequantize", unsupported)  # transformers imports it from the package per call
+    with pytest.raises(GGUFError, match=r"could not read the tensors of .*: Dequantization for .* not yet") as e:
+        LLM(str(stories_gguf), kv="fp32", max_tokens=256, verbose=False)
+    assert "\n" not in str(e.value)

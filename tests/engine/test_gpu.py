@@ -25,13 +25,14 @@ TINY = dict(model_type="llama", vocab_size=1024, hidden_size=512, intermediate_s
             rope_theta=500000.0, tie_word_embeddings=False)
 
 
-def run(engine, prompts, params):
+def run(engine, prompts, params, completion=lambda c: c.token_ids):
+    """Every prompt to the end; per prompt, ``completion(c)`` of each of its completions."""
     ids = [engine.add_request(None, p, params) for p in prompts]
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = [c.token_ids for c in out.outputs]
+                done[out.request_id] = [completion(c) for c in out.outputs]
     return [done[i] for i in ids]
 
 
@@ -84,14 +85,8 @@ def test_stories_fp32_on_gpu_equals_hf():
 
 
 def run_with_logprobs(engine, prompts, params):
-    """Like :func:`run`, with each completion's per-token logprobs: [[(token_ids, logprobs), ...], ...]."""
-    ids = [engine.add_request(None, p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = [(c.token_ids, c.logprobs) for c in out.outputs]
-    return [done[i] for i in ids]
+    """:func:`run` with each completion's per-token logprobs: [[(token_ids, logprobs), ...], ...]."""
+    return run(engine, prompts, params, completion=lambda c: (c.token_ids, c.logprobs))
 
 
 NEAR_TIE = 0.1
