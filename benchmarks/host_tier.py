@@ -69,8 +69,6 @@ class Bench:
 
     def target(self):
         """The planner's target: the cpu preset (3 GiB) for the smoke, the h200 preset otherwise."""
-        import dataclasses
-
         from kvgen.targets import resolve_target
 
         if self.smoke:

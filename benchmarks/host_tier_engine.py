@@ -83,9 +83,7 @@ def engine_records(*, smoke: bool, kv: str, num_requests: int, prompt: tuple[int
                    peak_running=getattr(eng, "peak_running", None), bytes=None, bw_fraction=None)
         log(json.dumps(rec))
         out.append(rec)
-        holder = [eng]
         del eng, s
-        holder.clear()
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()

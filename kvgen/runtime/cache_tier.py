@@ -183,7 +183,7 @@ class HostTierMixin:
     def _reserve_tiered(self, seq_ids: tuple, num_new: tuple, token_ids):
         """reserve_step with a host tier: ring room checked first, evicted prefix pages spilled, copies awaited."""
         bm = self.block_manager
-        self.host_tier.stage_ahead_more()  # first thing: the copy runs while this step is planned
+        self.host_tier.stage_layer_one_ahead()  # first thing: the copy runs while this step is planned
         self._reap()
         for sid in seq_ids:
             bm._live(sid)  # a swapped-out sequence: SwappedOut before anything else
@@ -204,28 +204,26 @@ class HostTierMixin:
         return reservation
 
     def _stage_first(self, cold) -> None:
-        """A new step's cold pages are known: take layers 0 and 1 if they were staged ahead for these pages; on
-        CUDA start copying the others of the two (both ring slots) while plan_step packs the rest (the slots'
-        last readers, the previous step's last layers, are already queued)."""
-        tier = self.host_tier
-        taken = tier.take_ahead(cold)
-        if tier.cuda:
-            for layer in range(min(2, self.num_layers)):
-                if layer not in taken:
-                    tier.stage(layer, cold)
+        """A new step's cold pages are known: start copying its layers 0 and 1 (both ring slots; the tier skips
+        what a previous step staged ahead) while plan_step packs the rest. The slots' last readers, the
+        previous step's last layers, are already queued."""
+        for layer in range(min(2, self.num_layers)):
+            self.host_tier.stage(layer, cold.runs)
 
     def _attention(self, step: StepMetadata, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The pools and block table a kernel reads for ``layer``: with cold pages, staged first."""
         cold = step.cold
         if cold is None:
             return self.pools[layer], step.block_tables
-        self.host_tier.ensure(layer, cold)
-        if layer + 1 < self.num_layers and cold.slot_layer[(layer + 1) % 2] != layer + 1:
-            self.host_tier.stage(layer + 1, cold)  # one layer ahead, overlapping this layer's attention
-        elif layer == self.num_layers - 1 and layer % 2 == 1:
-            # the last layer reads slot 1 and slot 0's last reader is queued: the next step's layer 0 goes
-            # there now (with an odd layer count the last layer itself reads slot 0: no staging ahead)
-            self.host_tier.stage_ahead(cold)
+        tier = self.host_tier
+        tier.ensure(layer, cold.runs)
+        if layer + 1 < self.num_layers:
+            tier.stage(layer + 1, cold.runs)  # one layer ahead, overlapping this layer's attention
+        elif layer % 2 == 1:
+            # The last layer reads slot 1 and slot 0's last reader is queued: a next step's layer 0 goes there
+            # now (a decode step's cold pages are its predecessor's). With an odd layer count the last layer
+            # itself reads slot 0, whose kernel is not queued yet: no staging ahead then.
+            tier.stage(0, cold.runs)
         return self.page_pool.attention_view(layer), cold.tables[layer]
 
     def _gather_pages(self, layer: int, seq_id: Hashable, table: list[int], nc: int) -> dict[str, torch.Tensor]:

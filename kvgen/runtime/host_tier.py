@@ -29,7 +29,7 @@ rewritten). On the CPU every copy is synchronous.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -77,19 +77,21 @@ class ColdStage:
 
     ``tables[layer]`` is the step's block table with every cold entry
     pointing into the staging ring as seen from that layer's attention view.
-    ``slot_layer[s]`` is the layer whose pages ring slot ``s`` holds (or will
-    hold once ``events[layer]`` fires).
     """
 
     runs: list[tuple[int, int, int]]
-    num_pages: int
     tables: torch.Tensor | None = None
-    slot_layer: list = field(default_factory=lambda: [None, None])
-    events: dict = field(default_factory=dict)
 
 
 class HostTier:
-    """Runs transfers between a :class:`~.page_pool.PagePool` and its :class:`HostPool`."""
+    """Runs transfers between a :class:`~.page_pool.PagePool` and its :class:`HostPool`.
+
+    The ring's two slots are shared by every step, so the tier keeps what
+    each holds: ``(runs, layer, event)``. Host pages change only through
+    :meth:`run`, which forgets both; until then a slot holding layer ``l``
+    of the same ``runs`` holds the right pages for any step, so a copy
+    staged ahead by one step (the next step's first layers) serves the next.
+    """
 
     def __init__(self, page_pool, num_host_pages: int, num_host_residual_pages: int, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -98,13 +100,15 @@ class HostTier:
                              num_host_pages, num_host_residual_pages, pin=self.cuda)
         self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._ahead: tuple | None = None  # (runs, num_pages, cold stage, {layer: event}) staged for a next step
+        self._slots: list[tuple | None] = [None, None]  # per ring slot: (runs, layer, event) it holds
+        self.num_staged = 0
+        """Layers of cold pages copied into the ring so far (each layer of a step once, unless host pages changed)."""
 
     def run(self, plan: TransferPlan):
         """Run ``plan.to_host`` then ``plan.to_device`` for every layer; an event (CUDA) or None."""
         if not plan.to_host and not plan.to_device:
             return None
-        self._ahead = None  # host pages are being freed or rewritten: what was staged ahead may be stale
+        self._slots = [None, None]  # host pages are being freed or rewritten: what the ring holds may be stale
         if not self.cuda:
             self._to_host(plan.to_host)
             self._to_device(plan.to_device)
@@ -115,77 +119,53 @@ class HostTier:
             self._to_device(plan.to_device)
             return self.stream.record_event()
 
-    def stage_ahead(self, cold: ColdStage) -> None:
-        """Stage layer 0 of a next step with the same cold pages into slot 0, while this step's last layer runs.
+    def holds(self, layer: int, runs: list) -> bool:
+        """Whether ring slot ``layer % 2`` holds (or is being given) ``layer``'s pages of ``runs``."""
+        held = self._slots[layer % 2]
+        return held is not None and held[1] == layer and (held[0] is runs or held[0] == runs)
 
-        Call once this step's last reader of slot 0 is queued. A decode
-        step's cold pages are its predecessor's (they never change on the
-        host), so the link copies the next step's first layers while the
-        host samples and plans it (:meth:`stage_ahead_more` adds layer 1 as
-        that planning starts); :meth:`take_ahead` hands the copies over.
+    def stage(self, layer: int, runs: list) -> None:
+        """Copy ``layer``'s cold pages of ``runs`` into ring slot ``layer % 2``, unless the slot holds them.
+
+        On CUDA the copy waits for every reader of the slot already queued on
+        the compute stream; call it only when no reader of the slot's present
+        pages is still to be queued.
         """
-        ev = self.stage(0, cold)
-        self._ahead = (cold.runs, cold.num_pages, cold, {0: ev})
-
-    def stage_ahead_more(self) -> None:
-        """At the start of planning a step: also stage layer 1 of what :meth:`stage_ahead` staged layer 0 of.
-
-        Slot 1's last reader, the previous step's last layer, is queued by
-        then. Speculative: :meth:`take_ahead` uses it only if the new step's
-        cold pages are the same; otherwise the step restages the slot.
-        """
-        ahead = self._ahead
-        if ahead is None or 1 in ahead[3] or len(self.page_pool.layers) < 2:
+        if self.holds(layer, runs):
             return
-        ahead[3][1] = self.stage(1, ahead[2])
-
-    def take_ahead(self, cold: ColdStage) -> set:
-        """The layers (of 0 and 1) staged ahead for exactly these cold pages, now marked staged in ``cold``.
-
-        Empty when nothing was staged ahead, when the cold pages differ, or
-        when a transfer plan ran since (host pages freed or rewritten) or
-        something else was staged into slot 0: the copies may be stale then.
-        """
-        ahead, self._ahead = self._ahead, None
-        if ahead is None or ahead[0] != cold.runs or ahead[1] != cold.num_pages:
-            return set()
-        for layer, ev in ahead[3].items():
-            cold.slot_layer[layer % 2] = layer
-            if ev is not None:
-                cold.events[layer] = ev
-        return set(ahead[3])
-
-    def stage(self, layer: int, cold: ColdStage):
-        """Copy the step's cold pages of ``layer`` into ring slot ``layer % 2``; an event (CUDA) or None."""
         slot = layer % 2
-        cold.slot_layer[slot] = layer
-        if slot == 0:
-            self._ahead = None
-        elif self._ahead is not None:
-            self._ahead[3].pop(1, None)  # slot 1 now holds another layer (stage_ahead_more re-adds its own)
+        self.num_staged += 1
         if not self.cuda:
-            self._stage(layer, cold, slot)
-            return None
+            self._stage(layer, runs, slot)
+            self._slots[slot] = (runs, layer, None)
+            return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the slot's last reader is queued
         with torch.cuda.stream(self.stream):
-            self._stage(layer, cold, slot)
-            ev = self.stream.record_event()
-        cold.events[layer] = ev
-        return ev
+            self._stage(layer, runs, slot)
+            self._slots[slot] = (runs, layer, self.stream.record_event())
 
-    def ensure(self, layer: int, cold: ColdStage) -> None:
-        """Make ``layer``'s cold pages readable by the compute stream (staging them if needed)."""
-        if cold.slot_layer[layer % 2] != layer:
-            self.stage(layer, cold)
+    def ensure(self, layer: int, runs: list) -> None:
+        """Make ``layer``'s cold pages of ``runs`` readable by the compute stream (staging them if needed)."""
+        self.stage(layer, runs)
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(cold.events[layer])
+            torch.cuda.current_stream(self.device).wait_event(self._slots[layer % 2][2])
+
+    def stage_layer_one_ahead(self) -> None:
+        """Slot 0 holds layer 0 of some cold pages (staged ahead by the last step): stage their layer 1 too.
+
+        Called as a step starts being planned: the link copies while the host
+        plans, and the step takes the copy if its cold pages are the same.
+        """
+        held = self._slots[0]
+        if held is not None and held[1] == 0 and len(self.page_pool.layers) > 1:
+            self.stage(1, held[0])
 
     # -- copies -------------------------------------------------------------
-    def _stage(self, layer: int, cold: ColdStage, slot: int) -> None:
-        base = slot * cold.num_pages
+    def _stage(self, layer: int, runs: list, slot: int) -> None:
+        base = slot * self.page_pool.staging_pages
         for name, ring in self.page_pool.ring.items():
             src = self.pool.tensors["compressed"][name][layer]
-            for h, r, n in cold.runs:
+            for h, r, n in runs:
                 ring[base + r:base + r + n].copy_(src[h:h + n], non_blocking=self.cuda)
 
     def _groups(self, items: Sequence[tuple[str, int, int]], host_index: int):
