@@ -34,8 +34,6 @@ _TORCH_ONLY = "KVGEN_FUSED_TORCH"
 @functools.lru_cache(maxsize=None)
 def _kernels(interpret: bool):
     """The Triton kernels, decorated now (their interpreter mode is fixed at decoration); None if triton fails."""
-    if interpret != _interpreting():
-        return None
     try:
         from . import fused_kernels
     except Exception:  # no usable triton: the torch versions run
@@ -44,18 +42,20 @@ def _kernels(interpret: bool):
     return fused_kernels if fused_kernels.INTERPRET == interpret else None
 
 
+def _impl(x: torch.Tensor):
+    """The Triton kernels module that runs for tensors like ``x``, or None for the torch versions (the rule:
+    module docstring). One decision per call; the launchers take the module."""
+    if os.environ.get(_TORCH_ONLY, "0") not in ("", "0"):
+        return None
+    interp = _interpreting()
+    if x.device.type != ("cpu" if interp else "cuda"):
+        return None
+    return _kernels(interp)
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run for tensors like ``x`` (see the module docstring for the rule)."""
-    if os.environ.get(_TORCH_ONLY, "0") not in ("", "0"):
-        return False
-    interp = _interpreting()
-    if x.device.type == "cuda":
-        ok = not interp
-    elif x.device.type == "cpu":
-        ok = interp
-    else:
-        ok = False
-    return ok and _kernels(interp) is not None
+    return _impl(x) is not None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -66,9 +66,9 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _rows_per_program(n_rows: int, row_elems: int, gpu_rows: int) -> int:
+def _rows_per_program(kernels, n_rows: int, row_elems: int, gpu_rows: int) -> int:
     """Rows per program: ``gpu_rows`` on a GPU; under the interpreter as many as fit 16K elements (fewer programs)."""
-    if not _interpreting():
+    if not kernels.INTERPRET:
         return gpu_rows
     return max(1, min(_pow2(n_rows), 16384 // row_elems))
 
@@ -99,16 +99,16 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     v = buf[T * (Hq + Hkv) * D:].view(T, Hkv, D)
     if T == 0:
         return q, k, v
-    if not use_triton(qkv):
+    kernels = _impl(qkv)
+    if kernels is None:
         _qkv_rope_torch(qkv, positions, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps, q, k, v)
         return q, k, v
     half = D // 2
     half_pad = _pow2(half)
     n_rows = T * (Hq + 2 * Hkv)
-    block = _rows_per_program(n_rows, half_pad, max(1, 2048 // half_pad))
+    block = _rows_per_program(kernels, n_rows, half_pad, max(1, 2048 // half_pad))
     norm = q_norm is not None
-    kern = _kernels(_interpreting()).qkv_rope_kernel
-    kern[(_cdiv(n_rows, block),)](
+    kernels.qkv_rope_kernel[(_cdiv(n_rows, block),)](
         qkv, buf, positions, cos, sin, q_norm if norm else cos, k_norm if norm else cos,
         n_rows, T, qkv.stride(0), float(eps),
         HQ=Hq, HKV=Hkv, HALF=half, HALF_PAD=half_pad, BLOCK_R=block, QK_NORM=norm, num_warps=4)
@@ -139,12 +139,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"rms_norm: last dim {x.shape[-1]} != weight {weight.shape[0]}")
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.numel() == 0 or not use_triton(x) or x2.stride(-1) != 1:
+    kernels = _impl(x)
+    if x2.numel() == 0 or kernels is None or x2.stride(-1) != 1:
         h = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps)
         y = weight * h.to(x.dtype)
         return y if out is None else out.copy_(y)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    _launch_norm(x2, None, out.view(x2.shape), weight, eps)
+    _launch_norm(kernels, x2, None, out.view(x2.shape), weight, eps)
     return out
 
 
@@ -161,19 +162,21 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """
     if residual is None:
         return rms_norm(x, weight, eps), x
-    if x.numel() == 0 or not use_triton(x) or x.stride(-1) != 1 or residual.stride(-1) != 1:
+    kernels = _impl(x)
+    if x.numel() == 0 or kernels is None or x.stride(-1) != 1 or residual.stride(-1) != 1:
         s = x + residual
         return rms_norm(s, weight, eps), s
-    _launch_norm(x, residual, x, weight, eps)
+    _launch_norm(kernels, x, residual, x, weight, eps)
     return x, residual
 
 
-def _launch_norm(x: torch.Tensor, res: torch.Tensor | None, out: torch.Tensor, w: torch.Tensor, eps: float) -> None:
+def _launch_norm(kernels, x: torch.Tensor, res: torch.Tensor | None, out: torch.Tensor, w: torch.Tensor,
+                 eps: float) -> None:
     T, N = x.shape
     block_n = _pow2(N)
-    block_t = _rows_per_program(T, block_n, 1)
+    block_t = _rows_per_program(kernels, T, block_n, 1)
     warps = 4 if block_n <= 2048 else (8 if block_n <= 8192 else 16)
-    _kernels(_interpreting()).add_rms_norm_kernel[(_cdiv(T, block_t),)](
+    kernels.add_rms_norm_kernel[(_cdiv(T, block_t),)](
         x, x if res is None else res, out, w, T, N, x.stride(0), 0 if res is None else res.stride(0),
         out.stride(0), float(eps), HAS_RES=res is not None, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=warps)
 
@@ -187,13 +190,14 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     """
     T, two_i = gate_up.shape
     inter = two_i // 2
-    if gate_up.numel() == 0 or not use_triton(gate_up) or gate_up.stride(1) != 1:
+    kernels = _impl(gate_up)
+    if gate_up.numel() == 0 or kernels is None or gate_up.stride(1) != 1:
         gate, up = gate_up.split(inter, dim=-1)
         y = torch.nn.functional.silu(gate) * up
         return y if out is None else out.copy_(y)
     out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device) if out is None else out
     block_i = min(1024, _pow2(inter))
-    block_t = _rows_per_program(T, block_i, 1)
-    _kernels(_interpreting()).silu_mul_kernel[(_cdiv(T, block_t), _cdiv(inter, block_i))](
+    block_t = _rows_per_program(kernels, T, block_i, 1)
+    kernels.silu_mul_kernel[(_cdiv(T, block_t), _cdiv(inter, block_i))](
         gate_up, out, T, inter, gate_up.stride(0), out.stride(0), BLOCK_T=block_t, BLOCK_I=block_i, num_warps=4)
     return out
