@@ -153,7 +153,7 @@ class Stream:
         step, so each call must cost little.)
         """
         while True:
-            if self.closed or len(self.finished) == len(self.request_ids):
+            if self.closed or self.done:
                 return None
             if self._error is not None:
                 e = self._error
