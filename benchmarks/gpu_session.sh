@@ -41,7 +41,7 @@ if [ "$what" = open-checks ]; then
   # (the engine GPU tests).
   timeout 200 python3 -m benchmarks.host_tier --parts tier --out "$OUT/host_tier.json" >"$OUT/host_tier.log" 2>&1
   tail -14 "$OUT/host_tier.log" | cut -c1-300
-  for k in real_size_matches_triton splits_and_warps window_and_softcap; do
+  for k in real_size_matches_triton splits_warps_and_depth window_and_softcap; do
     timeout 70 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
       tests/test_cuda_backend.py -k "$k" >>"$OUT/pytest-cuda-unfinished.log" 2>&1
     echo "cuda backend -k $k: exit $? (124: cut at 70 s)"

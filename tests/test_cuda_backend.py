@@ -75,7 +75,7 @@ def test_cuda_template_builds_for_sm_90a(spec, tmp_path):
     lib = cuda_loader.build(cu, "sm_90a", root=tmp_path)
     assert lib.parent == tmp_path / "cuda" and lib.name.endswith(f"-sm_90a-nvcc{cuda_loader.nvcc_version(NVCC)}.so")
     loaded = ctypes.CDLL(str(lib))  # loads without a GPU (the CUDA runtime is linked in statically)
-    assert loaded.kvgen_abi_version() == 1
+    assert loaded.kvgen_abi_version() == 2
     assert hasattr(loaded, "kvgen_decode")
     assert not [p for p in (tmp_path / "cuda").iterdir() if p != lib], "no temporary files are left behind"
 
@@ -383,10 +383,11 @@ def test_gpu_cuda_decode_page_boundaries_and_ragged(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["bf16", "int8"])
-@pytest.mark.parametrize("splits,warps", [(1, 4), (1, 8), (3, 4), (16, 8), (128, 4)])
-def test_gpu_cuda_decode_splits_and_warps(scheme, splits, warps):
-    _gpu_decode(scheme, 128, 8, 16, "bfloat16", 4, [4099, 1, 0, 640, 33],
-                config={"num_splits": splits, "num_warps": warps})
+@pytest.mark.parametrize("splits,warps,depth", [(1, 4, 1), (1, 8, 2), (3, 4, 2), (16, 8, 1), (128, 4, 2), (2, 4, 2)])
+def test_gpu_cuda_decode_splits_warps_and_depth(scheme, splits, warps, depth):
+    # lengths whose per-warp tile counts are odd and even, so a depth-2 pipeline ends on either buffer
+    _gpu_decode(scheme, 128, 8, 16, "bfloat16", 4, [4099, 1, 0, 640, 33, 16 * 4 * 3 + 5],
+                config={"num_splits": splits, "num_warps": warps, "depth": depth})
 
 
 @pytest.mark.gpu
@@ -395,7 +396,8 @@ def test_gpu_cuda_decode_window_and_softcap(scheme):
     p = 16
     for window, softcap in ((40, 0.0), (0, 20.0), (100, 30.0)):
         _gpu_decode(scheme, 64, 4, 8 if scheme == "int8" else p, "float16", 2, [7, 41, 300, 1025],
-                    window=window, softcap=softcap, q_scale=3.0, config={"num_splits": 4, "num_warps": 4})
+                    window=window, softcap=softcap, q_scale=3.0,
+                    config={"num_splits": 4, "num_warps": 4, "depth": 2})
 
 
 @pytest.mark.gpu

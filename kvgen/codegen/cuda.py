@@ -36,6 +36,8 @@ OPS = ("decode",)
 """Ops with a CUDA template."""
 WARPS = (4, 8)
 """Warps per program the decode library is built for (one template instance each)."""
+DEPTHS = (1, 2)
+"""Tiles in flight per warp (register buffers) the decode library is built for (16-bit pages run 2 as 1)."""
 MIN_ARCH = 80
 """mma.sync with bf16 operands needs sm_80+."""
 
@@ -89,7 +91,8 @@ def render(spec: KernelSpec, scheme: Scheme, L: LayoutContext, env: jinja2.Envir
     reason = unsupported(spec, scheme, L, env)
     if reason:
         raise ValueError(f"{spec.name} cannot use the CUDA backend: {reason}")
-    ctx = dict(spec=spec, L=L, scheme=scheme, cuda_macros=macro_template(scheme), warps=WARPS)
+    ctx = dict(spec=spec, L=L, scheme=scheme, cuda_macros=macro_template(scheme), warps=WARPS,
+               depths=DEPTHS)
     cu = env.get_template(f"cuda/{spec.op}.cu.j2").render(**ctx)
     py = env.get_template(f"cuda/{spec.op}.py.j2").render(**ctx)
     return {".py": py_header + py, ".cu": cu_header(spec, template_hash) + cu}
