@@ -171,6 +171,19 @@ class Scheduler:
         self._swapped_now = True
         return True
 
+    def _head_unit(self, slots: int) -> list[Sequence] | None:
+        """The head of the queue as one unit if it fits beside ``slots`` reserved slots, else None.
+
+        A unit is the head sequence, or the whole swapped fork group it
+        belongs to (swapped in together); it fits when its batch slots
+        (:attr:`Sequence.reserve`) keep the total within ``max_num_seqs``.
+        Both :meth:`schedule` (admission) and :meth:`schedule_continuation`
+        (would anything be admitted?) ask this. The queue must not be empty.
+        """
+        head = self.waiting[0]
+        unit = self._swapped_group(head) if head.status is Status.SWAPPED else [head]
+        return unit if slots + sum(s.reserve for s in unit) <= self.max_num_seqs else None
+
     def _send_back(self, seq: Sequence) -> None:
         """Recompute: free ``seq``'s pages, queue it at the front with its tokens."""
         self.running.remove(seq)
@@ -219,10 +232,10 @@ class Scheduler:
             swapped_in: list[bool] = []
             slots = self._slots()
             while self.waiting and budget > 0 and (admit_limit is None or len(admitted) < admit_limit):
-                head = self.waiting[0]
-                unit = self._swapped_group(head) if head.status is Status.SWAPPED else [head]
-                if slots + sum(s.reserve for s in unit) > self.max_num_seqs:
+                unit = self._head_unit(slots)
+                if unit is None:
                     break
+                head = unit[0]
                 swapped_in.append(head.status is Status.SWAPPED)
                 if head.status is Status.SWAPPED:
                     if not self._swap_in(unit):
@@ -294,11 +307,8 @@ class Scheduler:
         if not B or B > self.max_num_batched_tokens or len(self.running) != B or \
                 any(a is not b for a, b in zip(self.running, seqs)):
             return None
-        if self.waiting and B < self.max_num_batched_tokens:
-            head = self.waiting[0]
-            unit = self._swapped_group(head) if head.status is Status.SWAPPED else [head]
-            if self._slots() + sum(s.reserve for s in unit) <= self.max_num_seqs:
-                return None  # it would be admitted (or swapped in) now
+        if self.waiting and B < self.max_num_batched_tokens and self._head_unit(self._slots()) is not None:
+            return None  # it would be admitted (or swapped in) now
         ids = []
         for s in seqs:
             if s.num_computed != len(s.tokens):
