@@ -12,7 +12,7 @@ separately)::
                      k_scale + (p*H + h) * page_size          -> [s_t0][s_t1]...
 
     value(t, d) = e4m3(code[t, d]) * scale[t]      (torch: code.view(torch.float8_e4m3fn))
-    scale[t] = max_d |x[t, d]| / 448; code = float8_e4m3fn(x / scale), round to nearest even
+    scale[t] = max_d |x[t, d]| / 448; code = float8_e4m3fn(x * (1 / scale)), round to nearest even
 
 The codes are torch.float8_e4m3fn values stored as their bytes (uint8), so the
 kernels decode them with integer arithmetic: no float8 type reaches Triton,

@@ -12,7 +12,7 @@ separately)::
                      k_scale + (p*H + h) * page_size          -> [s_t0][s_t1]...
 
     value(t, d) = code[t, d] * scale[t]
-    scale[t] = max_d |x[t, d]| / 127; code = round-half-away-from-zero(x / scale), in [-127, 127]
+    scale[t] = max_d |x[t, d]| / 127; code = round-half-away-from-zero(x * (1 / scale)), in [-127, 127]
 
 Per-token scales make every token independent (written the moment it
 arrives, no residual window: ``residual_tokens = None``), and they sit on
@@ -38,10 +38,12 @@ torch = lazy_import("torch")  # only the reference quantize/dequantize need it; 
 
 
 def quantize_tokens(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token symmetric scaling of ``x [..., D]``: (y = x / scale, scale [...]), shared by int8 and fp8.
+    """Per-token symmetric scaling of ``x [..., D]``: (y = x * (1 / scale), scale [...]), shared by int8 and fp8.
 
     ``scale = amax / qmax``; an all-zero token divides by 1 (and keeps scale 0).
-    Float32 throughout, in the same operation order as the kernels' macros.
+    Float32 throughout, in the same operation order as the kernels' macros:
+    one correctly rounded reciprocal per token, then one rounded multiply per
+    element (a division per element made the GPU cache write arithmetic-bound).
 
     Non-finite input: a token holding a NaN or an Inf gets scale NaN (``x * 0``
     summed over the token is 0, or NaN), so it dequantizes to NaN everywhere
@@ -54,8 +56,8 @@ def quantize_tokens(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.T
     bad = zeros.sum(-1)
     amax = x.abs().amax(-1)
     scale = amax / qmax
-    div = torch.where(amax > 0, scale, torch.ones_like(scale))
-    return x / div[..., None], scale + bad
+    inv = 1.0 / torch.where(amax > 0, scale, torch.ones_like(scale))
+    return x * inv[..., None], scale + bad
 
 
 class Int8Scheme(Scheme):
