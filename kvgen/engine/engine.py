@@ -149,9 +149,11 @@ class LLMEngine(OutputsMixin):
         changed, self._late = self._late, {}
         prev = self._inflight
         if prev is not None:
-            nxt = self.scheduler.schedule_continuation([s for s in prev.seqs if s.status is Status.RUNNING])
+            # its rows still running (the rest finished or were aborted while it ran): found once per step
+            rows = [i for i, s in enumerate(prev.seqs) if s.status is Status.RUNNING]
+            nxt = self.scheduler.schedule_continuation([prev.seqs[i] for i in rows])
             if nxt is not None:
-                self._continue(prev, nxt, changed)
+                self._continue(prev, rows, nxt, changed)
                 return self._collect(changed)
             self._drain(changed)  # not steady decode: the synchronous path, from a settled state
         sched = self.scheduler.schedule()
@@ -296,9 +298,11 @@ class LLMEngine(OutputsMixin):
         self._async_ok = self._async and bool(getattr(type(self.runner), "device_input_ids", False)) and \
             getattr(self.cache, "host_tier", None) is None
 
-    def _continue(self, prev: "_InFlight", nxt: Any, changed: dict[str, Request]) -> None:
-        """Launch ``nxt`` (planned by schedule_continuation) on ``prev``'s sampled ids, then apply ``prev``."""
-        rows = [i for i, s in enumerate(prev.seqs) if s.status is Status.RUNNING]
+    def _continue(self, prev: "_InFlight", rows: list[int], nxt: Any, changed: dict[str, Request]) -> None:
+        """Launch ``nxt`` (planned by schedule_continuation) on ``prev``'s sampled ids, then apply ``prev``.
+
+        ``rows``: the indices in ``prev.seqs`` of ``nxt``'s sequences (prev's rows still running, in order).
+        """
         ids = prev.sample.tokens
         if len(rows) != len(prev.seqs):
             ids = ids.index_select(0, torch.tensor(rows, dtype=torch.long).to(ids.device))
