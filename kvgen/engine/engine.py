@@ -191,7 +191,7 @@ class LLMEngine(OutputsMixin):
             seq.num_computed += n
         slots, owners, forks = self._slots(sched)
         pending = sample_async(logits, slots) if slots else None
-        if pending is not None and self._async_ok and not forks and not sched.swapped and \
+        if pending is not None and self._async and not forks and not sched.swapped and \
                 len(owners) == len(sched.seqs) and all(n == 1 for n in sched.num_new):
             # steady decode: leave it in flight; the next call plans its successor before reading it
             self._inflight = _InFlight(sched.seqs, pending)
@@ -284,19 +284,23 @@ class LLMEngine(OutputsMixin):
         registered in the prefix cache (prompt pages are, as ever): a
         sequence's page hash chain needs every id of the page when the page
         fills, and the id of an async step's token is still on the device
-        then. Off by default; ignored (synchronous) for runners without
-        device input ids (tensor parallelism) and caches with a host tier.
-        Greedy and seeded sampling give the same tokens either way.
+        then. Off by default. Turning it on where it cannot run (a runner
+        without device input ids, i.e. tensor parallelism, or a cache with a
+        host tier) raises EngineError and changes nothing (see
+        :func:`async_scheduling_error`). Greedy and seeded sampling give the
+        same tokens either way.
         """
         return self._async
 
     @async_scheduling.setter
     def async_scheduling(self, on: bool) -> None:
-        if not on and self._inflight is not None:
+        if on:
+            err = async_scheduling_error(type(self.runner), getattr(self.cache, "host_tier", None) is not None)
+            if err is not None:
+                raise err
+        elif self._inflight is not None:
             self._drain(self._late)  # its tokens are applied; the next step() reports them
         self._async = bool(on)
-        self._async_ok = self._async and bool(getattr(type(self.runner), "device_input_ids", False)) and \
-            getattr(self.cache, "host_tier", None) is None
 
     def _continue(self, prev: "_InFlight", rows: list[int], nxt: Any, changed: dict[str, Request]) -> None:
         """Launch ``nxt`` (planned by schedule_continuation) on ``prev``'s sampled ids, then apply ``prev``.
@@ -375,6 +379,26 @@ class LLMEngine(OutputsMixin):
         req = seq.request
         if req.refresh_finished():
             req.metrics.finished_time = time.perf_counter()
+
+def async_scheduling_error(runner_type: type, host_tier: bool) -> EngineError | None:
+    """The error for turning async scheduling on with a ``runner_type`` runner (and a host tier), or None if it runs.
+
+    Asked for explicitly, an unsupported async scheduling is refused, not
+    quietly run synchronously (vLLM's ``async_scheduling=True`` fails the
+    same way): the engine's setter raises this, and
+    :func:`~.loader.build_engine` raises it before it loads anything. A
+    runner must take the token ids as a device tensor
+    (``device_input_ids``): tensor-parallel ranks get them from the host.
+    """
+    if not getattr(runner_type, "device_input_ids", False):
+        return EngineError(f"async_scheduling needs a runner that takes token ids on the device; "
+                           f"{runner_type.__name__} takes them from the host (tensor-parallel ranks do): "
+                           f"use tp=1, or leave async_scheduling off")
+    if host_tier:
+        return EngineError("async_scheduling does not run with a host tier (host_tokens); "
+                           "leave one of them off")
+    return None
+
 
 class _InFlight:
     """A launched decode step whose sampled ids the host has not read yet (async scheduling).

@@ -26,7 +26,7 @@ from kvgen.planner.workload import COMPUTE_DTYPES
 
 from . import gguf
 from .config import ModelConfig
-from .engine import LLMEngine
+from .engine import LLMEngine, async_scheduling_error
 from .errors import EngineError
 from .runner import ModelRunner
 from .weights import build_model, load_weights, random_weights
@@ -108,7 +108,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     host and come back) or ``"recompute"``. ``async_scheduling``: plan
     each steady decode step while the device runs the previous one (a
     one-step lag, as vLLM V1's; see :attr:`LLMEngine.async_scheduling`);
-    needs ``tp=1``, and runs synchronously with a host tier.
+    needs ``tp=1`` and no host tier (EngineError otherwise, before anything loads).
     """
     from kvgen.integrations.transformers import compile_for_model, plan_for_model
     from kvgen.runtime import default_device
@@ -133,10 +133,16 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
             raise EngineError("gguf_file= names a checkpoint; it does not go with config= (random weights)")
         cfg = ModelConfig.from_dict(config, "config")
     weights_source = gguf_path or folder  # what load_weights reads: a safetensors folder or a GGUF file
-    if async_scheduling and tp != 1:
-        raise EngineError("async_scheduling needs tp=1 (tensor-parallel ranks take token ids from the host)")
     dev = torch.device(device) if device is not None else default_device()
     dev = check_tp(tp, dev)
+    if async_scheduling:  # refused before anything loads (the engine would refuse it after)
+        runner_type = ModelRunner
+        if tp != 1:
+            from .parallel import TPRunner
+            runner_type = TPRunner
+        err = async_scheduling_error(runner_type, host_tokens is not None)
+        if err is not None:
+            raise err
     torch_dtype = resolve_dtype(dtype, cfg, dev)
     if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
         raise EngineError(f"max_model_len must be an int >= 2, got {max_model_len!r}")

@@ -367,6 +367,9 @@ def graphs_for(spec: RankSpec, net: Any, cache: Any, verbose: bool) -> Any:
 class TPRunner:
     """Rank 0's runner: sends each step to the workers, then runs its own share (``run`` as ModelRunner's)."""
 
+    device_input_ids = False
+    """Token ids come as lists only: they reach the workers pickled from the host (so no async scheduling)."""
+
     def __init__(self, runner: Any, cache: RecordingCache, workers: Workers) -> None:
         self.runner, self.cache, self.workers = runner, cache, workers
         self.world = workers.world

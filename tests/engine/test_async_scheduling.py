@@ -13,6 +13,7 @@ import random
 import pytest
 
 from kvgen.engine import SamplingParams
+from kvgen.engine.errors import EngineError
 from kvgen.engine.sequence import Status
 
 from .helpers import STORIES, CharTokenizer, TableRunner, all_free, fake_engine, stories_cache
@@ -195,15 +196,45 @@ def test_prompt_pages_still_hit_the_prefix_cache():
     assert all_free(cache)
 
 
-def test_runners_without_device_ids_and_host_tiers_stay_synchronous():
-    class ListRunner(TableRunner):
-        device_input_ids = False
+class ListRunner(TableRunner):
+    device_input_ids = False  # token ids from the host only (as tensor-parallel ranks)
 
-    eng = fake_engine(stories_cache(4096), ListRunner(), async_scheduling=True)
+
+def test_async_scheduling_where_it_cannot_run_is_refused_by_the_engine():
+    """Asked for where it cannot run, async scheduling raises (as vLLM's async_scheduling=True) instead of
+    quietly running synchronously: at construction and from the setter, which then changes nothing."""
+    with pytest.raises(EngineError, match="ListRunner takes them from the host"):
+        fake_engine(stories_cache(4096), ListRunner(), async_scheduling=True)
+    eng = fake_engine(stories_cache(4096), ListRunner())
+    with pytest.raises(EngineError, match="tp=1"):
+        eng.async_scheduling = True
+    assert not eng.async_scheduling
+    eng.async_scheduling = False  # turning it off is always fine
     eng.add_request("a", [1, 2], SamplingParams(temperature=0, max_tokens=8))
     while eng.has_unfinished_requests():
         eng.step()
-    assert eng.async_scheduling and eng.num_async_steps == 0 and eng._inflight is None
+    assert eng.num_async_steps == 0 and eng._inflight is None and all_free(eng.cache)
+
+    tiered = fake_engine(stories_cache(160, host_tokens=256))
+    with pytest.raises(EngineError, match="host tier"):
+        tiered.async_scheduling = True
+    assert not tiered.async_scheduling
+
+
+@pytest.mark.parametrize("kwargs", [dict(tp=2), dict(host_tokens=256)], ids=["tp2", "host_tier"])
+def test_build_engine_refuses_async_scheduling_before_loading(monkeypatch, kwargs):
+    """The same refusal as the engine's, raised before planning, compiling or starting any rank."""
+    import kvgen.integrations.transformers as integration
+    from kvgen.engine.loader import build_engine
+
+    def loaded(*args, **kw):
+        raise AssertionError("build_engine went on to plan the cache")
+
+    monkeypatch.setattr(integration, "plan_for_model", loaded)
+    config = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    with pytest.raises(EngineError, match="host tier" if "host_tokens" in kwargs else "tp=1"):
+        build_engine(config=config, device="cpu", verbose=False, async_scheduling=True, **kwargs)
 
 
 # -- stories260K through the interpreter ------------------------------------------------------------------
