@@ -10,6 +10,7 @@ keeps its slices.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -92,33 +93,27 @@ def load_weights(model: CausalLM, source: str | Path) -> CausalLM:
     return model
 
 
+Split = tuple[int, int, int]
+"""A rank's slice of a checkpoint tensor: ``(dim, start, stop)``."""
+
+
 def _load_safetensors(model: CausalLM, params: dict[str, torch.nn.Parameter], folder: Path) -> set[str]:
+    """Copy every safetensors file's tensors; a rank reads only its rows or columns (``get_slice``)."""
     from safetensors import safe_open
+
+    def read(f, name: str, split: Split | None) -> torch.Tensor:
+        if split is None:
+            return f.get_tensor(name)
+        dim, start, stop = split
+        part = f.get_slice(name)
+        return part[start:stop] if dim == 0 else part[:, start:stop]
 
     seen: set[str] = set()
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name == "lm_head.weight" and model.lm_head is None:
-                    continue  # tied: the embedding serves as the head
-                p = _param_for(model, params, name, path.name)
-                split = _split(model, name)
-                want = list(p.shape)
-                if split is None:
-                    t = f.get_tensor(name)
-                    got = list(t.shape)
-                else:  # a rank reads only its rows or columns
-                    dim, start, stop, want[dim] = split
-                    part = f.get_slice(name)
-                    got = list(part.get_shape())
-                _check_shape(path.name, name, got, want)
-                if split is not None:
-                    t = part[start:stop] if dim == 0 else part[:, start:stop]
-                with torch.no_grad():
-                    p.copy_(t.to(p.dtype))
-                seen.add(name)
+            seen |= _copy_in(model, params, path.name, f.keys(),
+                             lambda name, f=f: f.get_slice(name).get_shape(),  # the shape, no data read
+                             lambda name, split, f=f: read(f, name, split))
     return seen
 
 
@@ -128,18 +123,36 @@ def _load_gguf(model: CausalLM, params: dict[str, torch.nn.Parameter], path: Pat
 
     dtype = next(iter(params.values())).dtype
     tensors = gguf.read_tensors(path, list(params), model.cfg.model_type, model.cfg.num_layers, dtype)
+
+    def read(name: str, split: Split | None) -> torch.Tensor:
+        t = tensors[name]
+        return t if split is None else t.narrow(split[0], split[1], split[2] - split[1])
+
+    return _copy_in(model, params, path.name, tensors, lambda name: tensors[name].shape, read)
+
+
+def _copy_in(model: CausalLM, params: dict[str, torch.nn.Parameter], source: str, names: Iterable[str],
+             shape_of: Callable[[str], Sequence[int]], read: Callable[[str, Split | None], torch.Tensor]) -> set[str]:
+    """Copy the checkpoint tensors ``names`` into their parameters (each rank its slice); returns the names copied.
+
+    ``shape_of(name)``: the whole tensor's shape; ``read(name, split)``: the
+    tensor (``split`` None) or this rank's slice of it, read only once the
+    shape matched. Skips what the model does not keep (``rotary_emb.inv_freq``,
+    a tied ``lm_head.weight``: the embedding serves as the head). Raises
+    EngineError naming ``source`` for an unknown name or a shape the config
+    does not imply.
+    """
     seen: set[str] = set()
-    for name, t in tensors.items():
-        if name == "lm_head.weight" and model.lm_head is None:
+    for name in names:
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
             continue
-        p = _param_for(model, params, name, path.name)
+        p = _param_for(model, params, name, source)
         split = _split(model, name)
         want = list(p.shape)
         if split is not None:
             dim, start, stop, want[dim] = split
-        _check_shape(path.name, name, list(t.shape), want)
-        if split is not None:
-            t = t.narrow(dim, start, stop - start)
+        _check_shape(source, name, list(shape_of(name)), want)
+        t = read(name, None if split is None else (dim, start, stop))
         with torch.no_grad():
             p.copy_(t.to(p.dtype))
         seen.add(name)

@@ -181,3 +181,24 @@ def test_a_quantization_gguf_cannot_dequantize_is_a_one_line_error(stories_gguf,
     with pytest.raises(GGUFError, match=r"could not read the tensors of .*: Dequantization for .* not yet") as e:
         LLM(str(stories_gguf), kv="fp32", max_tokens=256, verbose=False)
     assert "\n" not in str(e.value)
+
+
+def test_a_rank_loads_its_slices_of_the_gguf(stories_gguf):
+    """A tensor-parallel rank's share read from the GGUF is its slice of the whole model read from the folder."""
+    from kvgen.engine.config import ModelConfig
+    from kvgen.engine.shard import TPShard
+    from kvgen.engine.weights import build_model, load_weights
+    from kvgen.integrations.tensor_parallel import head_shard
+
+    cfg = ModelConfig.from_folder(STORIES)
+
+    def loaded(source, shard=None):
+        return load_weights(build_model(cfg, 64, torch.device("cpu"), torch.float32, shard), source)
+
+    whole = dict(loaded(STORIES).named_parameters())
+    for rank in range(8):  # replicated KV heads (4 for 8 ranks) and an uneven MLP split (172 / 8)
+        shard = TPShard.of(cfg, rank, 8, *head_shard(cfg.num_heads, cfg.num_kv_heads, rank, 8))
+        for name, p in loaded(stories_gguf, shard).named_parameters():
+            split = shard.split_of(name, cfg)
+            want = whole[name] if split is None else whole[name].narrow(split[0], split[1], split[2] - split[1])
+            assert torch.equal(p, want), (rank, name)
