@@ -78,22 +78,22 @@ def _rows_per_program(kernels, n_rows: int, row_elems: int, gpu_rows: int) -> in
 def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              num_q_heads: int, num_kv_heads: int, head_dim: int,
              q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-             eps: float = 1e-6, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``qkv [T, (Hq + 2 Hkv) D]`` -> contiguous q ``[T, Hq, D]``, k, v ``[T, Hkv, D]``, RoPE on q and k.
 
     ``positions [T]`` int64 index ``cos``/``sin`` (float32 ``[positions, D/2]``,
     rotate-half form: ``out[:D/2] = x1 c - x2 s``, ``out[D/2:] = x2 c + x1 s``).
     ``q_norm``/``k_norm`` (``[D]``, both or neither): per-head RMSNorm of q and
-    k before RoPE (Qwen3). q, k and v are views of one flat buffer (``out``,
-    ``T (Hq + 2 Hkv) D`` elements, or a new one); ``qkv`` is only read. Rows
-    of ``qkv`` must be contiguous (any row stride).
+    k before RoPE (Qwen3). q, k and v are views of one new flat buffer of
+    ``T (Hq + 2 Hkv) D`` elements; ``qkv`` is only read. Rows of ``qkv`` must
+    be contiguous (any row stride).
     """
     T = qkv.shape[0]
     Hq, Hkv, D = num_q_heads, num_kv_heads, head_dim
     if qkv.shape[1] != (Hq + 2 * Hkv) * D or qkv.stride(1) != 1 or D % 2:
         raise ValueError(f"qkv must be [T, {(Hq + 2 * Hkv) * D}] with contiguous rows and an even head_dim, "
                          f"got {list(qkv.shape)} (strides {qkv.stride()}), head_dim {D}")
-    buf = torch.empty(T * (Hq + 2 * Hkv) * D, dtype=qkv.dtype, device=qkv.device) if out is None else out
+    buf = torch.empty(T * (Hq + 2 * Hkv) * D, dtype=qkv.dtype, device=qkv.device)
     q = buf[:T * Hq * D].view(T, Hq, D)
     k = buf[T * Hq * D:T * (Hq + Hkv) * D].view(T, Hkv, D)
     v = buf[T * (Hq + Hkv) * D:].view(T, Hkv, D)
@@ -131,20 +131,16 @@ def _qkv_rope_torch(qkv, positions, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps, q
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Hugging Face's LlamaRMSNorm of the last dim: ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``.
-
-    ``out``: a contiguous tensor shaped like ``x`` to write into (default a new one).
-    """
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm of the last dim: ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (a new tensor)."""
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"rms_norm: last dim {x.shape[-1]} != weight {weight.shape[0]}")
     x2 = x.reshape(-1, x.shape[-1])
     kernels = _impl(x)
     if x2.numel() == 0 or kernels is None or x2.stride(-1) != 1:
         h = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps)
-        y = weight * h.to(x.dtype)
-        return y if out is None else out.copy_(y)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+        return weight * h.to(x.dtype)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_norm(kernels, x2, None, out.view(x2.shape), weight, eps)
     return out
 
@@ -183,19 +179,15 @@ def _launch_norm(kernels, x: torch.Tensor, res: torch.Tensor | None, out: torch.
 
 # ---------------------------------------------------------------------------------------------- SiLU * up
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``gate_up [T, 2I]`` (gate | up halves of one GEMM output) -> ``silu(gate) * up`` ``[T, I]``.
-
-    ``out``: a contiguous ``[T, I]`` tensor to write into (default a new one).
-    """
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gate_up [T, 2I]`` (gate | up halves of one GEMM output) -> a new ``silu(gate) * up`` ``[T, I]``."""
     T, two_i = gate_up.shape
     inter = two_i // 2
     kernels = _impl(gate_up)
     if gate_up.numel() == 0 or kernels is None or gate_up.stride(1) != 1:
         gate, up = gate_up.split(inter, dim=-1)
-        y = torch.nn.functional.silu(gate) * up
-        return y if out is None else out.copy_(y)
-    out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device) if out is None else out
+        return torch.nn.functional.silu(gate) * up
+    out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
     block_i = min(1024, _pow2(inter))
     block_t = _rows_per_program(kernels, T, block_i, 1)
     kernels.silu_mul_kernel[(_cdiv(T, block_t), _cdiv(inter, block_i))](
