@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from kvgen.runtime.step import DeviceBuffers
+
 from .model import CausalLM
 
 
@@ -28,6 +30,9 @@ class ModelRunner:
         self.graph_steps = 0
         self.eager_steps = 0
         self._eager_next = False
+        # the runtime's host-to-device helper, an instance of our own: the cache's would overwrite the
+        # step metadata it just uploaded (the int64 slot mapping) with these ids and positions
+        self._buffers = DeviceBuffers(self.device)
 
     def eager_once(self) -> None:
         """Run the next step eagerly (the engine calls it when pages moved between the tiers just before)."""
@@ -40,19 +45,18 @@ class ModelRunner:
         return lambda layer, q, k, v: cache.prefill(layer, q, k, v)
 
     def _upload(self, input_ids: list[int] | torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids and positions on the device: one host tensor (pinned on CUDA), one copy.
+        """Token ids and positions on the device: one host tensor, one copy (:meth:`DeviceBuffers.upload`:
+        pinned staging, asynchronous, into a persistent device buffer).
 
-        Ids already on the device (a tensor) stay there; only the positions go up.
+        Ids already on the device (a tensor) stay there; only the positions go up. The returned views are
+        valid for this step: the next upload rewrites the buffer, after this step's kernels in stream order
+        (CUDA graphs never read them: :class:`~.graphs.DecodeGraphs` copies them into its own buffers).
         """
         on_device = isinstance(input_ids, torch.Tensor)
         n = 0 if on_device else len(input_ids)
         values = positions if on_device else input_ids + positions
         host = torch.frombuffer(array("q", values), dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
-        if self.device.type == "cuda":
-            # pinned: the copy is asynchronous (from pageable memory CUDA stages it synchronously)
-            both = host.pin_memory().to(self.device, non_blocking=True)
-        else:
-            both = host.to(self.device)
+        both = self._buffers.upload(host)
         return (input_ids if on_device else both[:n]), both[n:]
 
     def run(self, step: Any, input_ids: list[int] | torch.Tensor, positions: list[int],

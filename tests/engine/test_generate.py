@@ -161,3 +161,25 @@ def test_graph_path_static_buffers_give_the_same_tokens():
             assert eng.runner.graph_steps >= 8 and eng.runner.graphs.converted_steps > 0
         assert all_free(eng.cache)
     assert results[0] == results[1]
+
+
+def test_runner_uploads_leave_the_planned_step_alone():
+    """The runner's ids and positions go up through a DeviceBuffers of its own: they arrive as given, and the
+    step's metadata the cache uploaded just before (its int64 slot mapping too) stays as planned."""
+    from kvgen.engine.runner import ModelRunner
+
+    from .helpers import stories_cache
+
+    cache = stories_cache(4096)
+    runner = ModelRunner(None, cache)  # uploads only: no model runs
+    tokens = list(range(3, 43))
+    cache.add("a", tokens)
+    step = cache.plan_step(["a"], [len(tokens)], token_ids=[tokens])
+    slots = step.slot_mapping.clone()
+    ids, pos = runner._upload(tokens, list(range(len(tokens))))
+    assert ids.tolist() == tokens and pos.tolist() == list(range(len(tokens)))
+    assert torch.equal(step.slot_mapping, slots)
+    on_device = torch.tensor([7, 8], device=cache.device)
+    ids, pos = runner._upload(on_device, [40, 41])  # device ids stay where they are; positions go up
+    assert ids is on_device and pos.tolist() == [40, 41] and torch.equal(step.slot_mapping, slots)
+    cache.free("a")
