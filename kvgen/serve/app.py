@@ -29,7 +29,8 @@ from .prompts import Prompter
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse
 from .responses import Choices, Formatter
 from .sse import SSEResponse
-from .worker import EngineWorker, Stream, kv_pages
+from .stream import Stream
+from .worker import EngineWorker
 
 DEFAULT_MAX_PENDING = 1024
 
@@ -39,14 +40,15 @@ class ServeState:
 
     def __init__(self, engine: Any, model_name: str, api_key: str | None, max_pending: int,
                  chat_template: str | None, drain_timeout: float) -> None:
-        self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
         self.drain_timeout = drain_timeout
         self.metrics = ServeMetrics()
-        self.prompter = Prompter(engine.tokenizer, vocab_size=getattr(engine, "vocab_size", None),
-                                 max_model_len=engine.max_model_len, chat_template=chat_template)
         self.worker = EngineWorker(engine, max_pending=max_pending, metrics=self.metrics)
+        info = self.worker.info
+        self.max_model_len = info.max_model_len
+        self.prompter = Prompter(info.tokenizer, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+                                 chat_template=chat_template)
         self.created = int(time.time())
         self.stopped_summary: dict[str, int] | None = None
 
@@ -61,24 +63,17 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
     nothing leaked); the same is printed as one line on stderr.
     """
     state = ServeState(engine, model_name, api_key, max_pending, chat_template, drain_timeout)
-    engine.stream_text = True
-    # Deltas: the engine thread hands over only each step's new tokens and text (a snapshot would copy every
-    # request's whole output each step); the worker's Stream merges them for a handler that fell behind.
-    engine.output_kind = "delta"
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.worker.start()
+        await state.worker.start()
         try:
             yield
         finally:
-            state.worker.stop()
-            pages = kv_pages(engine.cache)
-            state.stopped_summary = {"requests": engine.num_unfinished_requests(), "pages_used": pages["used"],
-                                     "sequences": pages["sequences"]}
-            print(f"kvgen serve: stopped; {state.stopped_summary['requests']} requests left, "
-                  f"{pages['used']} of {pages['total']} KV pages in use, {pages['sequences']} sequences in the cache",
-                  file=sys.stderr, flush=True)
+            s = await state.worker.stop()
+            state.stopped_summary = {k: s[k] for k in ("requests", "pages_used", "sequences")}
+            print(f"kvgen serve: stopped; {s['requests']} requests left, {s['pages_used']} of {s['pages_total']} "
+                  f"KV pages in use, {s['sequences']} sequences in the cache", file=sys.stderr, flush=True)
 
     app = FastAPI(title="kvgen serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
@@ -119,9 +114,9 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if state.worker.alive:  # the gauges as of now (the engine thread refreshes them only now and then)
+        if state.worker.alive:  # the gauges as of now (the engine refreshes them only now and then)
             with contextlib.suppress(ApiError):
-                await state.worker.call(lambda: state.metrics.refresh(engine))
+                await state.worker.refresh_metrics()
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     @app.get("/v1/models")
@@ -129,7 +124,7 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
         authorize(request)
         return JSONResponse({"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvgen",
-            "max_model_len": engine.max_model_len}]})
+            "max_model_len": state.max_model_len}]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

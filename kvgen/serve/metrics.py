@@ -1,8 +1,10 @@
 """/metrics: the server's Prometheus metrics (prometheus_client, one registry per server).
 
-Counted on the engine thread after every step (prometheus_client's values
-are thread-safe); the gauges are refreshed there at most every
-``GAUGE_INTERVAL_S`` and, through the worker, right before each scrape:
+The engine's side (the engine thread, or the engine process) counts each
+step's outputs and reads the gauges at most every
+:data:`~kvgen.serve.stats.GAUGE_INTERVAL_S` (:class:`kvgen.serve.stats.StepCounter`);
+the worker hands those counts to :meth:`ServeMetrics.apply` on the event
+loop, and a scrape asks the engine for fresh gauges first. The series:
 
 - ``kvgen_requests_running`` / ``kvgen_requests_waiting``: engine requests
   with a sequence in the batch / only in the queue;
@@ -29,8 +31,6 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 WINDOW_S = 10.0
-GAUGE_INTERVAL_S = 0.25
-"""The engine thread refreshes the gauges at most this often (a scrape refreshes them first anyway)."""
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
@@ -64,98 +64,46 @@ class ServeMetrics:
         self.finished_total = Counter("kvgen_request_finished", "Finished completions by reason", ["reason"],
                                       registry=r)
         self.http = Counter("kvgen_http_responses", "HTTP responses by status", ["status"], registry=r)
-        # request id -> [tokens so far, {completion index: tokens so far}] (engine thread)
-        self._seen: dict[str, list] = {}
-        self._next_refresh = 0.0
         self._window: deque[tuple[float, float]] = deque()
         self._total_gen = 0
         self._total_prompt = 0
         self._total_hit = 0
 
-    # -- engine thread ----------------------------------------------------------------------
-    def after_step(self, engine: Any, outs: list[Any], snapshot: bool = False) -> None:
-        """Count the step's outputs (engine deltas; with ``snapshot``, full outputs); refresh the gauges now and then.
-
-        Runs on the engine thread after every step, so it costs O(outputs)
-        with no locks per output: the gauges (running, waiting, pages,
-        tokens/s) are refreshed at most every ``GAUGE_INTERVAL_S`` here, and
-        by :meth:`refresh` when /metrics is scraped.
-        """
-        new = 0
-        seen_all = self._seen
-        for out in outs:
-            rid = out.request_id
-            seen = seen_all.get(rid)
-            if seen is None:
-                seen = [0, {}]  # [tokens of all completions, {completion index: tokens}]
-            per = seen[1]
-            before = seen[0]
-            for c in out.outputs:
-                had = per.get(c.index, 0)
-                n = len(c.token_ids)
-                if snapshot:
-                    n = max(n, had)
-                    per[c.index] = n
-                    seen[0] += n - had
-                else:
-                    per[c.index] = had + n
-                    seen[0] += n
-            if before == 0 and seen[0]:
-                self._first_token(out)
-            new += seen[0] - before
-            if out.finished:
-                self._finished(out, per)
-                seen_all.pop(rid, None)
-            else:
-                seen_all[rid] = seen
-        self._total_gen += new
+    def apply(self, stats: dict[str, Any] | None) -> None:
+        """Add one hand-over of :meth:`kvgen.serve.stats.StepCounter.take` (None: nothing new)."""
+        if stats is None:
+            return
+        new = stats["tokens"]
         if new:
+            self._total_gen += new
             self.gen_tokens.inc(new)
+        if stats["prompt"]:
+            self._total_prompt += stats["prompt"]
+            self._total_hit += stats["hit"]
+            self.prompt_tokens.inc(stats["prompt"])
+            self.hit_tokens.inc(stats["hit"])
+            self.hit_rate.set(self._total_hit / self._total_prompt)
+        for x in stats["ttft"]:
+            self.ttft.observe(x)
+        for x in stats["tpot"]:
+            self.tpot.observe(x)
+        for reason, n in stats["finished"].items():
+            self.finished_total.labels(reason).inc(n)
+        gauges = stats["gauges"]
+        if gauges is not None:
+            self._set_gauges(gauges)
+
+    def _set_gauges(self, g: dict[str, int]) -> None:
         now = time.perf_counter()
-        if now >= self._next_refresh:
-            self.refresh(engine, now)
-
-    def refresh(self, engine: Any, now: float | None = None) -> None:
-        """Set the gauges from ``engine`` (on the engine thread, or with the engine stopped)."""
-        from .worker import kv_pages
-
-        now = time.perf_counter() if now is None else now
-        self._next_refresh = now + GAUGE_INTERVAL_S
         self._window.append((now, self._total_gen))
         while len(self._window) > 2 and now - self._window[0][0] > WINDOW_S:
             self._window.popleft()
         t0, n0 = self._window[0]
         self.tokens_per_s.set((self._total_gen - n0) / (now - t0) if now > t0 else 0.0)
-        sched = engine.scheduler
-        running = {s.request.request_id for s in sched.running}
-        self.running.set(len(running))
-        self.waiting.set(len({s.request.request_id for s in sched.waiting} - running))
-        pages = kv_pages(engine.cache)
-        self.pages_used.set(pages["used"])
-        self.pages_free.set(pages["free"])
-
-    def _first_token(self, out: Any) -> None:
-        ttft = out.metrics.time_to_first_token
-        if ttft is not None:
-            self.ttft.observe(max(ttft, 0.0))
-        self._total_prompt += len(out.prompt_token_ids)
-        self._total_hit += out.num_cached_tokens
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.hit_tokens.inc(out.num_cached_tokens)
-        self.hit_rate.set(self._total_hit / self._total_prompt if self._total_prompt else 0.0)
-
-    def _finished(self, out: Any, tokens: dict[int, int]) -> None:
-        m = out.metrics
-        for c in out.outputs:
-            self.finished_total.labels(c.finish_reason or "abort").inc()
-            n = tokens.get(c.index, 0)
-            if c.finish_reason != "abort" and n > 1 and m.first_token_time and m.finished_time:
-                self.tpot.observe(max(m.finished_time - m.first_token_time, 0.0) / (n - 1))
-
-    def aborted(self, request_id: str) -> None:
-        """A client went away: its request is aborted and no longer counted."""
-        self._seen.pop(request_id, None)
-        self.finished_total.labels("abort").inc()
+        self.running.set(g["running"])
+        self.waiting.set(g["waiting"])
+        self.pages_used.set(g["pages_used"])
+        self.pages_free.set(g["pages_free"])
 
     # -- event loop ---------------------------------------------------------------------------
     def response(self, status: int) -> None:

@@ -1,8 +1,9 @@
 """The streamed response: server-sent events from a :class:`Stream`, written with as little work per chunk as can be.
 
 At many clients the event loop writes one chunk per client and engine
-step, on the same GIL as the engine thread, so every microsecond per chunk
-counts against the engine. :class:`SSEResponse` is a plain ASGI response
+step, so every microsecond per chunk counts: against the engine when it
+runs on a thread of this process (one GIL), against the chunk rate the
+event loop keeps up with in any case. :class:`SSEResponse` is a plain ASGI response
 (not Starlette's StreamingResponse: no async generator to resume, no
 task group per request, no extra empty write at the end):
 
@@ -32,7 +33,7 @@ from starlette.responses import Response
 
 from .protocol import ApiError
 from .responses import Choices, Formatter
-from .worker import Stream
+from .stream import Stream
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

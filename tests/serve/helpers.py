@@ -17,6 +17,7 @@ from engine.helpers import STORIES, TableRunner, all_free, stories_cache  # noqa
 
 from kvgen.serve.app import build_app
 from kvgen.serve.server import bind, make_server
+from kvgen.serve.stats import engine_pages
 
 MODEL = "stories"
 
@@ -53,6 +54,10 @@ def table_engine(*, delay: float = 0.0, max_num_seqs: int = 16, max_tokens: int 
     tok = AutoTokenizer.from_pretrained(STORIES)
     return LLMEngine(SlowTableRunner(delay), cache, tok, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=256, eos_token_ids=(), vocab_size=512)
+
+
+def engine_all_free(engine) -> bool:
+    return all_free(engine.cache)
 
 
 class ServerThread:
@@ -93,21 +98,19 @@ class ServerThread:
         self.server.request_exit()
         self.thread.join(60)
 
-    def on_engine(self, fn):
-        """``fn()`` run on the engine thread (the only one that may touch the engine); returns its result."""
+    def on_engine(self, fn, *args):
+        """``fn(engine, *args)`` run on the engine thread (the only one that may touch the engine); its result."""
         import asyncio
 
-        return asyncio.run_coroutine_threadsafe(self.worker.call(fn), self.worker._loop).result(60)
+        return asyncio.run_coroutine_threadsafe(self.worker.call(fn, *args), self.worker.loop).result(60)
 
     def pages(self) -> dict:
         """The cache's page counts (BlockManager), read on the engine thread."""
-        from kvgen.serve.worker import kv_pages
-
-        return self.on_engine(lambda: kv_pages(self.engine.cache))
+        return self.on_engine(engine_pages)
 
     def all_free(self) -> bool:
         """No sequence in the cache and every page of every pool free (read on the engine thread)."""
-        return self.on_engine(lambda: all_free(self.engine.cache))
+        return self.on_engine(engine_all_free)
 
 
 def metric(text: str, name: str) -> float:

@@ -1,0 +1,204 @@
+"""EngineLoop: the server's step loop around an engine, apart from how commands and outputs travel.
+
+The engine (and the BlockManager under it) is not thread-safe, so one
+thread owns it: :class:`kvgen.serve.worker.EngineWorker`'s thread (or the
+main thread of a process of its own: only the :class:`Port` differs). It
+runs :meth:`EngineLoop.run`: run the queued commands (``add``,
+``abort``, ``call``, ``stats``, ``drain``, ``stop``), then one
+``engine.step()`` if anything is unfinished (else wait until a command
+arrives), then hand the step's outputs and the metrics' counts (see
+:mod:`.stats`) over in one piece; it never waits on the HTTP side. A
+command runs between two steps, so an abort frees the request's pages
+before the next step is planned.
+
+How commands arrive and outputs leave is the :class:`Port`'s business: a
+queue and ``call_soon_threadsafe`` for the thread. Each output goes out with its request's *tag* (what the port
+needs to route it; the process's port uses the request id).
+
+Draining (SIGTERM): after :meth:`EngineLoop.drain` requests still
+unfinished at the deadline are aborted; each gets its full output as a
+snapshot (finish reason ``abort``), of which the stream keeps only what it
+had not been sent. A failing step aborts every request, hands the error to
+the port for each (``Port.fail``) and ends the loop (``error`` is set).
+:meth:`EngineLoop.stop` ends it after aborting what is left.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .protocol import ApiError
+from .stats import StepCounter
+
+IDLE_WAIT_S = 0.5
+"""With nothing to run, the loop waits this long at most for a command (and then checks the drain deadline)."""
+BUSY_WAIT_S = 0.01
+"""A step that could schedule nothing (no pages free): wait this long for a command rather than spin."""
+
+
+def prepare_engine(engine: Any) -> None:
+    """Set ``engine`` up as the server runs it: delta outputs, with the running text.
+
+    Deltas: each step hands over only its new tokens and text (a snapshot
+    would copy every request's whole output each step); the Stream merges
+    them for a handler that fell behind.
+    """
+    engine.stream_text = True
+    engine.output_kind = "delta"
+
+
+@dataclass
+class EngineInfo:
+    """What the HTTP side needs of the engine: its tokenizer (or None), vocabulary size and context limit."""
+
+    tokenizer: Any
+    vocab_size: int | None
+    max_model_len: int
+
+
+def engine_info(engine: Any) -> EngineInfo:
+    return EngineInfo(engine.tokenizer, getattr(engine, "vocab_size", None), engine.max_model_len)
+
+
+class Port(Protocol):
+    """How an :class:`EngineLoop` gets its commands and hands over its outputs (called on the loop's thread)."""
+
+    def wait(self, timeout: float) -> None:
+        """Block until a command may have arrived, or ``timeout`` seconds."""
+
+    def run_commands(self, loop: "EngineLoop") -> None:
+        """Run the commands that arrived (each calls a method of ``loop``), without blocking."""
+
+    def emit(self, items: list[tuple[Any, Any, bool]], snapshot: bool, stats: dict[str, Any] | None) -> None:
+        """Hand over ``(tag, output, finished)`` per output (``snapshot``: full outputs) and the metrics' counts."""
+
+    def fail(self, error: BaseException, tags: list[Any]) -> None:
+        """The engine failed with ``error``: end the requests of ``tags``."""
+
+
+class EngineLoop:
+    """Drives ``engine`` for the server through ``port``; every method runs on the loop's own thread."""
+
+    def __init__(self, engine: Any, port: Port, counter: StepCounter | None = None) -> None:
+        self.engine = engine
+        self.port = port
+        self.counter = counter or StepCounter()
+        self.error: BaseException | None = None
+        self.sinks: dict[str, Any] = {}  # request id -> its tag, while its outputs still go somewhere
+        self.deadline: float | None = None
+        self.stopping = False
+
+    # -- commands (run by the port between steps) -----------------------------------------
+    def add(self, request_ids: Sequence[str], prompts: Sequence[list[int]], params: Any, arrival: float,
+            tags: Sequence[Any] | None = None) -> None:
+        """Add one engine request per prompt; ApiError 400 (and none added) for what the engine refuses.
+
+        ``tags``: per request, what its outputs are handed over with (default: the request id).
+        """
+        from kvgen.errors import KvgenError
+
+        added = []
+        try:
+            for i, (rid, ids) in enumerate(zip(request_ids, prompts)):
+                self.engine.add_request(rid, ids, params, arrival_time=arrival)
+                self.sinks[rid] = rid if tags is None else tags[i]
+                added.append(rid)
+        except KvgenError as e:
+            self.abort(added)
+            raise ApiError(400, str(e)) from None
+        except BaseException:
+            self.abort(added)
+            raise
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort the requests (their clients went away); their pages are free when this returns."""
+        for rid in request_ids:
+            if self.sinks.pop(rid, None) is not None:
+                self.engine.abort_request(rid)
+                self.counter.aborted(rid)
+
+    def call(self, fn: Callable[..., Any], args: Sequence[Any] = ()) -> Any:
+        """``fn(engine, *args)``, between two steps."""
+        return fn(self.engine, *args)
+
+    def stats(self) -> dict[str, Any]:
+        """The metrics' counts so far, with the gauges read now (for a /metrics scrape)."""
+        return self.counter.take(self.engine, gauges=True)
+
+    def drain(self, timeout: float) -> None:
+        """Abort what is still unfinished ``timeout`` seconds from now (the first call sets the deadline)."""
+        if self.deadline is None:
+            self.deadline = time.monotonic() + timeout
+
+    def stop(self) -> None:
+        """End :meth:`run` before the next step, aborting what is left."""
+        self.stopping = True
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Step until :meth:`stop` (or a failure: then ``error`` is set and every request got it)."""
+        eng = self.engine
+        port = self.port
+        try:
+            while True:
+                port.run_commands(self)
+                if self.stopping:
+                    self.abort(list(self.sinks))
+                    return
+                if self.deadline is not None and time.monotonic() >= self.deadline and self.sinks:
+                    self._abort_all()
+                if not eng.has_unfinished_requests():
+                    self._hand_over([])  # counts of aborts made by commands, gauges when due
+                    port.wait(IDLE_WAIT_S)
+                    continue
+                before = eng.num_steps
+                outs = eng.step()
+                self._hand_over(outs)
+                if eng.num_steps == before and not outs:
+                    port.wait(BUSY_WAIT_S)  # nothing could be scheduled: do not spin
+        except BaseException as e:  # noqa: BLE001 -- reported to every request and /health
+            traceback.print_exc()
+            self.error = e
+            self._fail_all(e)
+
+    def _abort_all(self) -> None:
+        """Abort every request; each gets its full output (finish reason ``abort``) as a snapshot."""
+        outs = []
+        for rid in list(self.sinks):
+            req = self.engine.requests.get(rid)
+            self.engine.abort_request(rid)
+            if req is not None:
+                outs.append(self.engine.output_of(req))
+        self._hand_over(outs, force_finished=True, snapshot=True)
+
+    def _fail_all(self, error: BaseException) -> None:
+        tags = []
+        for rid, tag in list(self.sinks.items()):
+            try:
+                self.engine.abort_request(rid)
+            except BaseException:  # noqa: BLE001 -- the engine is already broken; the pages die with it
+                pass
+            tags.append(tag)
+        self.sinks.clear()
+        self.port.fail(error, tags)
+
+    def _hand_over(self, outs: Sequence[Any], force_finished: bool = False, snapshot: bool = False) -> None:
+        items = []
+        sinks = self.sinks
+        for out in outs:
+            tag = sinks.get(out.request_id)
+            if tag is None:
+                continue  # aborted by its client already
+            finished = out.finished or force_finished
+            if finished:
+                del sinks[out.request_id]
+            items.append((tag, out, finished))
+        if outs:
+            self.counter.count(outs, snapshot)
+        stats = self.counter.take(self.engine)
+        if items or stats is not None:
+            self.port.emit(items, snapshot, stats)

@@ -1,0 +1,169 @@
+"""Stream: the mailbox of one HTTP request's engine requests (one per prompt), read by its handler.
+
+The worker (:mod:`.worker`) hands each engine step's delta outputs to the
+event loop, which pushes them here; a handler reads them with
+:meth:`Stream.next_batch`. Event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+from .protocol import ApiError
+
+
+class Stream:
+    """The engine requests of one HTTP request (one per prompt) and the mailbox their outputs arrive in.
+
+    Outputs are deltas (the engine's ``output_kind = "delta"``: only the
+    token ids, logprobs and text new since the request's last output), so
+    the mailbox holds one pending output per prompt and merges each new
+    delta into it (ids, logprobs and text appended; ``finished``, finish
+    and stop reasons and ``cumulative_logprob`` from the newest): a handler
+    that falls behind the engine reads one output covering several steps
+    (streamed as one multi-token chunk) instead of a backlog of one item
+    per step, and the merging costs O(new tokens) per push. The engine
+    (thread or process) never waits on the handler: its deltas are dropped
+    in by one event-loop callback per step for all streams.
+    """
+
+    __slots__ = ("request_ids", "finished", "closed", "_latest", "_pushed", "_error", "_waiter")
+
+    def __init__(self, request_ids: list[str]) -> None:
+        self.request_ids = request_ids
+        self.finished: set[str] = set()  # ids whose last output the handler has taken
+        self.closed = False  # the reader gave up (its client went away): next_batch() returns None
+        # prompt index -> [pending merged output, finished, {completion index: text pieces}]
+        self._latest: dict[int, list] = {}
+        # prompt index -> {completion index: [tokens, characters] pushed so far} (to turn a snapshot into a delta)
+        self._pushed: dict[int, dict[int, list[int]]] = {}
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.request_ids)
+
+    # event loop: called by the worker's per-step callback
+    def push(self, index: int, out: Any, finished: bool, snapshot: bool = False) -> None:
+        """Merge ``out`` (a delta; with ``snapshot``, a full output, of which only the unpushed rest counts)."""
+        pushed = self._pushed.setdefault(index, {})
+        if snapshot:
+            out = _rest_of(out, pushed)
+        for c in out.outputs:
+            n = pushed.get(c.index)
+            if n is None:
+                pushed[c.index] = [len(c.token_ids), len(c.text)]
+            else:
+                n[0] += len(c.token_ids)
+                n[1] += len(c.text)
+        pending = self._latest.get(index)
+        if pending is None:
+            self._latest[index] = [out, finished, None]
+        else:
+            pending[2] = _merge(pending[0], out, pending[2])
+            pending[1] = finished
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._wake()
+
+    def cancel(self) -> None:
+        """Stop the reader: a pending or later :meth:`next_batch` returns None (the client went away)."""
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def next_batch(self) -> list[tuple[int, Any]] | None:
+        """A list of ``(prompt_index, RequestOutput)``: per prompt that changed, its deltas merged into one.
+
+        Waits until there is one; None once every prompt finished or after
+        :meth:`cancel`. An engine failure is ApiError 500. (A plain coroutine,
+        not an async generator: a streaming handler calls it once per engine
+        step, so each call must cost little.)
+        """
+        while True:
+            if self.closed or self.done:
+                return None
+            if self._error is not None:
+                e = self._error
+                raise ApiError(500, f"the engine failed: {type(e).__name__}: {e}", type="internal_error")
+            if self._latest:
+                break
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        latest, self._latest = self._latest, {}
+        batch = []
+        for index, (out, finished, pieces) in (sorted(latest.items()) if len(latest) > 1 else latest.items()):
+            if pieces:
+                for c in out.outputs:
+                    if c.index in pieces:
+                        c.text = "".join(pieces[c.index])
+            if finished:
+                self.finished.add(self.request_ids[index])
+            batch.append((index, out))
+        return batch
+
+    async def batches(self):
+        """Yield :meth:`next_batch` until it returns None."""
+        while (batch := await self.next_batch()) is not None:
+            yield batch
+
+    async def outputs(self):
+        """Yield ``(prompt_index, RequestOutput)`` until every prompt finished (see :meth:`batches`)."""
+        async for batch in self.batches():
+            for item in batch:
+                yield item
+
+
+def _merge(into: Any, new: Any, pieces: dict[int, list[str]] | None) -> dict[int, list[str]] | None:
+    """Append delta ``new`` to the pending output ``into`` (owned by the stream: the engine keeps neither).
+
+    Texts are collected as pieces (joined once when the handler reads) so a
+    long backlog does not copy its text again at every push; returns the pieces.
+    """
+    by_index = {c.index: c for c in into.outputs}
+    for c in new.outputs:
+        p = by_index.get(c.index)
+        if p is None:
+            into.outputs.append(c)
+            continue
+        if c.text:
+            if pieces is None:
+                pieces = {}
+            parts = pieces.get(c.index)
+            if parts is None:
+                pieces[c.index] = [p.text, c.text]
+            else:
+                parts.append(c.text)
+        p.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            if p.logprobs is None:
+                p.logprobs = list(c.logprobs)
+            else:
+                p.logprobs.extend(c.logprobs)
+        p.cumulative_logprob = c.cumulative_logprob
+        p.finish_reason = c.finish_reason
+        p.stop_reason = c.stop_reason
+    into.finished = new.finished
+    return pieces
+
+
+def _rest_of(out: Any, pushed: dict[int, list[int]]) -> Any:
+    """Snapshot ``out`` cut to what was not pushed yet (``pushed``: completion index -> [tokens, characters])."""
+    comps = []
+    for c in out.outputs:
+        tokens, chars = pushed.get(c.index, (0, 0))
+        comps.append(replace(c, text=c.text[chars:], token_ids=list(c.token_ids[tokens:]),
+                             logprobs=None if c.logprobs is None else list(c.logprobs[tokens:])))
+    return replace(out, outputs=comps)
