@@ -1,4 +1,10 @@
-"""The FastAPI application: OpenAI's HTTP API translated into engine calls through an :class:`EngineWorker`.
+"""The FastAPI application: OpenAI's HTTP API translated into engine calls through a worker.
+
+The worker (see :mod:`.worker`) runs the engine either on a thread of this
+process (:class:`~.worker.EngineWorker`: ``build_app(engine)``) or in a
+process of its own (:class:`~.engine_process.ProcessWorker`:
+``build_app(EngineSpec(...))``, what ``kvgen serve`` does by default); the
+routes are the same for both.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming
 as server-sent events ending in ``data: [DONE]``, or one JSON body),
@@ -40,11 +46,14 @@ class ServeState:
 
     def __init__(self, engine: Any, model_name: str, api_key: str | None, max_pending: int,
                  chat_template: str | None, drain_timeout: float) -> None:
+        from .engine_process import EngineSpec, ProcessWorker
+
         self.model_name = model_name
         self.api_key = api_key
         self.drain_timeout = drain_timeout
         self.metrics = ServeMetrics()
-        self.worker = EngineWorker(engine, max_pending=max_pending, metrics=self.metrics)
+        kind = ProcessWorker if isinstance(engine, EngineSpec) else EngineWorker
+        self.worker = kind(engine, max_pending=max_pending, metrics=self.metrics)
         info = self.worker.info
         self.max_model_len = info.max_model_len
         self.prompter = Prompter(info.tokenizer, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
@@ -56,11 +65,16 @@ class ServeState:
 def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
               max_pending: int = DEFAULT_MAX_PENDING, chat_template: str | None = None,
               drain_timeout: float = 30.0) -> FastAPI:
-    """An app serving ``engine`` (an LLMEngine) as ``model_name``; the engine thread runs while the app lives.
+    """An app serving ``engine`` as ``model_name``; the engine runs while the app lives.
 
-    After shutdown ``app.state.serve.stopped_summary`` holds what was left
-    in the engine: ``{"requests", "pages_used", "sequences"}`` (all 0 when
-    nothing leaked); the same is printed as one line on stderr.
+    ``engine``: an LLMEngine (run on a thread of this process), or an
+    :class:`~.engine_process.EngineSpec` (the engine is built and run in a
+    process of its own, started here: this call returns once the engine is
+    built, or raises its error). After shutdown
+    ``app.state.serve.stopped_summary`` holds what was left in the engine:
+    ``{"requests", "pages_used", "sequences"}`` (all 0 when nothing leaked;
+    None when the engine process had died); the same is printed as one line
+    on stderr.
     """
     state = ServeState(engine, model_name, api_key, max_pending, chat_template, drain_timeout)
 
@@ -71,9 +85,13 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
             yield
         finally:
             s = await state.worker.stop()
-            state.stopped_summary = {k: s[k] for k in ("requests", "pages_used", "sequences")}
-            print(f"kvgen serve: stopped; {s['requests']} requests left, {s['pages_used']} of {s['pages_total']} "
-                  f"KV pages in use, {s['sequences']} sequences in the cache", file=sys.stderr, flush=True)
+            if s is None:
+                print(f"kvgen serve: stopped; the engine had failed ({state.worker.error!r})", file=sys.stderr,
+                      flush=True)
+            else:
+                state.stopped_summary = {k: s[k] for k in ("requests", "pages_used", "sequences")}
+                print(f"kvgen serve: stopped; {s['requests']} requests left, {s['pages_used']} of {s['pages_total']} "
+                      f"KV pages in use, {s['sequences']} sequences in the cache", file=sys.stderr, flush=True)
 
     app = FastAPI(title="kvgen serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state

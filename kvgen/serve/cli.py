@@ -4,6 +4,13 @@ For kvgen/cli.py's COMMANDS table this module offers ``add_args(parser)``
 and ``run(args) -> int``. ``python -m
 kvgen.serve`` runs it alone. A KvgenError propagates (the CLI prints it as
 one line and exits 2); a missing ``serve`` extra is one too.
+
+By default the engine runs in a process of its own (started with
+``spawn``; it builds the engine with :func:`kvgen.engine.loader.build_engine`
+and this process serves HTTP; see :mod:`kvgen.serve.engine_process`), so
+streaming to many clients does not slow the engine's steps through a
+shared GIL. ``--engine-in-process`` builds the engine here and runs it on a
+thread instead (one process; what ``build_app(engine)`` does).
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="requests held at most, running and queued; beyond it 429 (default 1024)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take before they are aborted (default 30)")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine on a thread of the server's process instead of in a process of its own "
+                        "(the default: the HTTP side and the engine then do not share one GIL)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
 
@@ -80,25 +90,33 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ServeError(f"kvgen serve needs the serve extra ({e.name} is missing); "
                          f"pip install 'kvgen[serve]'") from None
-    from kvgen.engine.loader import build_engine
-
     from .app import DEFAULT_MAX_PENDING, build_app
     from .server import bind, make_server
 
     sock = bind(args.host, args.port)  # before loading: a port in use fails in a second, not after the model
-    engine = build_engine(args.model, kv=args.kv, dtype=args.dtype, max_model_len=args.max_model_len,
-                          max_tokens=args.cache_tokens, device=args.device, enforce_eager=args.enforce_eager,
-                          max_num_seqs=args.max_num_seqs, tp=args.tp, host_tokens=args.host_tokens)
-    app = build_app(engine, model_name=args.served_model_name or args.model, api_key=args.api_key,
-                    max_pending=args.max_pending or DEFAULT_MAX_PENDING, chat_template=template,
-                    drain_timeout=args.drain_timeout)
-    server = make_server(app, drain_timeout=args.drain_timeout, log_level=args.log_level)
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    print(f"kvgen serve: listening on http://{shown}:{port} (model {app.state.serve.model_name!r})",
-          file=sys.stderr, flush=True)
+    engine_kwargs = dict(model=args.model, kv=args.kv, dtype=args.dtype, max_model_len=args.max_model_len,
+                         max_tokens=args.cache_tokens, device=args.device, enforce_eager=args.enforce_eager,
+                         max_num_seqs=args.max_num_seqs, tp=args.tp, host_tokens=args.host_tokens)
+    if args.engine_in_process:
+        from kvgen.engine.loader import build_engine
+
+        engine = build_engine(**engine_kwargs)
+    else:
+        from .engine_process import EngineSpec
+
+        engine = EngineSpec("kvgen.engine.loader:build_engine", engine_kwargs)
     try:
+        app = build_app(engine, model_name=args.served_model_name or args.model, api_key=args.api_key,
+                        max_pending=args.max_pending or DEFAULT_MAX_PENDING, chat_template=template,
+                        drain_timeout=args.drain_timeout)
+        server = make_server(app, drain_timeout=args.drain_timeout, log_level=args.log_level)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        where = "in this process" if args.engine_in_process else f"process {app.state.serve.worker.pid}"
+        print(f"kvgen serve: listening on http://{shown}:{port} (model {app.state.serve.model_name!r}, engine "
+              f"{where})", file=sys.stderr, flush=True)
         server.run(sockets=[sock])
     finally:
-        engine.close()  # stops tensor-parallel workers at once (a no-op at tp=1)
+        if args.engine_in_process:
+            engine.close()  # stops tensor-parallel workers at once (a no-op at tp=1); the engine process does its own
     return 0

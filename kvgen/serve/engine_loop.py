@@ -1,9 +1,9 @@
-"""EngineLoop: the server's step loop around an engine, apart from how commands and outputs travel.
+"""EngineLoop: the server's step loop around an engine, the same on the engine thread and in the engine process.
 
 The engine (and the BlockManager under it) is not thread-safe, so one
-thread owns it: :class:`kvgen.serve.worker.EngineWorker`'s thread (or the
-main thread of a process of its own: only the :class:`Port` differs). It
-runs :meth:`EngineLoop.run`: run the queued commands (``add``,
+thread owns it: :class:`kvgen.serve.worker.EngineWorker`'s thread, or the
+main thread of the engine process (:mod:`kvgen.serve.engine_process`).
+Either runs :meth:`EngineLoop.run`: run the queued commands (``add``,
 ``abort``, ``call``, ``stats``, ``drain``, ``stop``), then one
 ``engine.step()`` if anything is unfinished (else wait until a command
 arrives), then hand the step's outputs and the metrics' counts (see
@@ -12,7 +12,8 @@ command runs between two steps, so an abort frees the request's pages
 before the next step is planned.
 
 How commands arrive and outputs leave is the :class:`Port`'s business: a
-queue and ``call_soon_threadsafe`` for the thread. Each output goes out with its request's *tag* (what the port
+queue and ``call_soon_threadsafe`` for the thread, a socket for the
+process. Each output goes out with its request's *tag* (what the port
 needs to route it; the process's port uses the request id).
 
 Draining (SIGTERM): after :meth:`EngineLoop.drain` requests still

@@ -1,8 +1,9 @@
 """Prompts to token ids on the event loop: texts, token-id lists, chats, and token strings for logprobs.
 
 The server keeps its own copy of the engine's tokenizer (made before the
-engine thread starts), so tokenizing here never touches the object the
-engine thread decodes with. Texts are tokenized as ``LLM.generate`` does
+engine thread starts; with the engine in its own process, a copy sent from
+there), so tokenizing here never touches the object the engine decodes
+with. Texts are tokenized as ``LLM.generate`` does
 (``tokenizer(text).input_ids``, special tokens added); a chat is rendered
 with the tokenizer's chat template, as ``LLM.apply_chat_template`` does, and
 tokenized without adding special tokens.

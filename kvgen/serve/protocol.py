@@ -28,6 +28,9 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param = status, message, type, param
         self.headers = headers or {}
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled whole: the engine process sends it back as it is
+        return (type(self), (self.status, self.message, self.type, self.param, self.headers))
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 

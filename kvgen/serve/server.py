@@ -3,8 +3,8 @@
 On SIGTERM (or the first Ctrl-C) the server stops listening, answers 503
 to any request still arriving on an open connection, lets running requests
 finish, aborts those left after ``drain_timeout`` seconds (their streams end
-with finish reason ``abort``), stops the engine thread and returns normally
--- so ``kvgen serve`` exits 0. (Plain uvicorn re-raises the signal after
+with finish reason ``abort``), stops the engine (its thread, or its
+process) and returns normally -- so ``kvgen serve`` exits 0. (Plain uvicorn re-raises the signal after
 its graceful shutdown, which would end the process with -SIGTERM.)
 """
 
@@ -22,7 +22,7 @@ SHUTDOWN_GRACE_S = 5.0
 
 
 class DrainingServer(uvicorn.Server):
-    """A uvicorn Server that drains the app's EngineWorker on shutdown and exits normally on SIGTERM."""
+    """A uvicorn Server that drains the app's worker on shutdown and exits normally on SIGTERM."""
 
     def __init__(self, config: uvicorn.Config, worker: Any, drain_timeout: float) -> None:
         super().__init__(config)

@@ -1,7 +1,8 @@
 """Stream: the mailbox of one HTTP request's engine requests (one per prompt), read by its handler.
 
-The worker (:mod:`.worker`) hands each engine step's delta outputs to the
-event loop, which pushes them here; a handler reads them with
+Both workers (the engine thread of :mod:`.worker`, the engine process of
+:mod:`.engine_process`) hand each engine step's delta outputs to the event
+loop, which pushes them here; a handler reads them with
 :meth:`Stream.next_batch`. Event loop only.
 """
 

@@ -5,10 +5,16 @@ a :class:`~.stream.Stream` out), ``close(stream)``, ``call(fn, *args)``
 (``fn(engine, *args)`` between two steps), ``refresh_metrics()``,
 ``begin_drain(timeout)``, ``start()``, ``stop()`` (returns what the engine
 held: :func:`~.stats.engine_summary`), ``alive``, ``error``, ``draining``
-and ``info`` (:class:`~.engine_loop.EngineInfo`).
-:class:`EngineWorker` runs the :class:`~.engine_loop.EngineLoop` on a
-thread of this process: commands go on a queue; each step's outputs come
-back in one ``call_soon_threadsafe``.
+and ``info`` (:class:`~.engine_loop.EngineInfo`). Two kinds:
+
+- :class:`EngineWorker` (this module; ``kvgen serve --engine-in-process``,
+  and ``build_app(engine)`` for an engine built by the caller): the
+  :class:`~.engine_loop.EngineLoop` on a thread of this process. Commands
+  go on a queue; each step's outputs come back in one
+  ``call_soon_threadsafe``.
+- :class:`kvgen.serve.engine_process.ProcessWorker` (``kvgen serve``'s
+  default, ``build_app(EngineSpec(...))``): the same loop in a process of
+  its own, so the HTTP side and the engine do not share a GIL.
 
 The engine thread and the event loop share the GIL. With CPython's default
 5 ms switch interval, a thread coming back from a GIL-free wait (a GPU
@@ -53,7 +59,9 @@ def hold_interpreter(on: bool) -> None:
     Without it, the full collections that the server's steady allocation
     (messages, futures, outputs) triggers now and then traverse that whole
     heap with the GIL held: 100-200 ms in which neither the engine nor the
-    event loop runs (seen in the stand-in benchmark at 64 clients).
+    event loop runs (seen in the stand-in benchmark at 64 clients). (The
+    engine process freezes its own heap once the engine is built; in its
+    parent, with no engine thread, the short interval costs nothing.)
     """
     global _switch_users, _switch_saved
     with _switch_lock:

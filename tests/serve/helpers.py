@@ -6,18 +6,28 @@ would take about a second of CPU per sequence and step with the real
 stories260K. The KV cache underneath is the real runtime, so every page a
 request reserves, forks, preempts or frees goes through the BlockManager.
 Tests that compare outputs with ``LLM.generate`` use the real model.
+
+Both worker kinds are served: ``"thread"`` (the engine built here, on a
+thread of the server) and ``"process"`` (an :class:`EngineSpec` naming a
+factory of this module: the engine is built in its own process, as
+``kvgen serve`` runs it). Code run on the engine (``ServerThread.on_engine``)
+is a module-level function of the engine, so it reaches either.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import types
 
 from engine.helpers import STORIES, TableRunner, all_free, stories_cache  # noqa: F401 -- re-exported
 
 from kvgen.serve.app import build_app
+from kvgen.serve.engine_process import EngineSpec
 from kvgen.serve.server import bind, make_server
 from kvgen.serve.stats import engine_pages
+
+KINDS = ("thread", "process")
 
 MODEL = "stories"
 
@@ -56,6 +66,30 @@ def table_engine(*, delay: float = 0.0, max_num_seqs: int = 16, max_tokens: int 
                      max_num_batched_tokens=256, eos_token_ids=(), vocab_size=512)
 
 
+def table_spec(**kwargs) -> EngineSpec:
+    """:func:`table_engine` with ``kwargs``, built in the engine process."""
+    return EngineSpec(table_engine, kwargs)
+
+
+def reference():
+    """The stand-in's runner (same table: seed 0) and tokenizer, for expected outputs when the engine is elsewhere."""
+    from transformers import AutoTokenizer
+
+    return types.SimpleNamespace(runner=SlowTableRunner(0.0), tokenizer=AutoTokenizer.from_pretrained(STORIES))
+
+
+def broken_engine(message: str):
+    """An engine factory that fails as a bad model path does."""
+    from kvgen.engine.errors import EngineError
+
+    raise EngineError(message)
+
+
+def set_delay(engine, delay: float) -> None:
+    """Run on the engine: each step of the stand-in now takes ``delay`` seconds."""
+    engine.runner.delay = delay
+
+
 def engine_all_free(engine) -> bool:
     return all_free(engine.cache)
 
@@ -63,12 +97,16 @@ def engine_all_free(engine) -> bool:
 class ServerThread:
     """``kvgen serve``'s app on 127.0.0.1 (a free port) in a thread of this process; a context manager.
 
+    ``engine``: an engine (served on a thread) or an EngineSpec (served from
+    its own process). ``ref`` has the engine's ``runner`` and ``tokenizer``
+    (the engine itself, or :func:`reference` when it is in another process).
     Leaving it drains and stops the server as SIGTERM would; ``summary`` is
     then what the engine held at shutdown (requests, pages used, sequences).
     """
 
     def __init__(self, engine, drain_timeout: float = 10.0, **app_kwargs) -> None:
-        self.engine = engine
+        self.engine = None if isinstance(engine, EngineSpec) else engine
+        self.ref = reference() if self.engine is None else engine
         self.app = build_app(engine, model_name=MODEL, drain_timeout=drain_timeout, **app_kwargs)
         self.server = make_server(self.app, drain_timeout=drain_timeout)
         self.sock = bind("127.0.0.1", 0)
@@ -99,17 +137,17 @@ class ServerThread:
         self.thread.join(60)
 
     def on_engine(self, fn, *args):
-        """``fn(engine, *args)`` run on the engine thread (the only one that may touch the engine); its result."""
+        """``fn(engine, *args)`` run where the engine runs, between two steps; returns its result."""
         import asyncio
 
         return asyncio.run_coroutine_threadsafe(self.worker.call(fn, *args), self.worker.loop).result(60)
 
     def pages(self) -> dict:
-        """The cache's page counts (BlockManager), read on the engine thread."""
+        """The cache's page counts (BlockManager), read on the engine."""
         return self.on_engine(engine_pages)
 
     def all_free(self) -> bool:
-        """No sequence in the cache and every page of every pool free (read on the engine thread)."""
+        """No sequence in the cache and every page of every pool free (read on the engine)."""
         return self.on_engine(engine_all_free)
 
 

@@ -3,12 +3,14 @@
 The stand-in's greedy continuation is known (``TableRunner.greedy``), so
 every response is checked token for token; request fields (n, stop, seed,
 logprobs, top_k, stream_options.include_usage) and each bad request's
-status are checked against what OpenAI's API specifies.
+status are checked against what OpenAI's API specifies. The tests on the
+module's server run twice: engine on a thread, engine in its own process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -19,16 +21,29 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from .helpers import MODEL, ServerThread, metric, table_engine  # noqa: E402
+from .helpers import KINDS, MODEL, ServerThread, metric, set_delay, table_engine  # noqa: E402
 
 PROMPT = "Once upon a time"
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=KINDS)
+def server(request):
+    if request.param == "process":
+        yield request.getfixturevalue("process_server")  # shared with test_load (see conftest)
+        return
     with ServerThread(table_engine()) as s:
         yield s
     assert s.summary == {"requests": 0, "pages_used": 0, "sequences": 0}
+
+
+@contextlib.contextmanager
+def slow_steps(server, delay=0.05):
+    """Each engine step of the module's server takes ``delay`` seconds meanwhile (requests stay running)."""
+    server.on_engine(set_delay, delay)
+    try:
+        yield
+    finally:
+        server.on_engine(set_delay, 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +52,11 @@ def client(server):
 
 
 def expected(server, prompt_ids, n):
-    return server.engine.runner.greedy(prompt_ids, n)
+    return server.ref.runner.greedy(prompt_ids, n)
 
 
 def prompt_ids(server, text=PROMPT):
-    return list(server.engine.tokenizer(text).input_ids)
+    return list(server.ref.tokenizer(text).input_ids)
 
 
 def test_completion_greedy_tokens_and_usage(server, client):
@@ -50,7 +65,7 @@ def test_completion_greedy_tokens_and_usage(server, client):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=7, temperature=0, logprobs=2)
     c = r.choices[0]
     assert c.finish_reason == "length"
-    assert c.text == server.engine.tokenizer.decode(want, skip_special_tokens=True)
+    assert c.text == server.ref.tokenizer.decode(want, skip_special_tokens=True)
     assert len(c.logprobs.tokens) == 7 and all(lp <= 0 for lp in c.logprobs.token_logprobs)
     assert all(1 <= len(top) <= 3 for top in c.logprobs.top_logprobs)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 7, len(ids) + 7)
@@ -62,7 +77,7 @@ def test_completion_token_id_prompts_and_n(server, client):
     other = [1, 5, 9]
     r = client.completions.create(model=MODEL, prompt=[ids, other], max_tokens=4, temperature=0, n=2)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
-    tok = server.engine.tokenizer
+    tok = server.ref.tokenizer
     for c in r.choices:
         src = ids if c.index < 2 else other
         assert c.text == tok.decode(expected(server, src, 4), skip_special_tokens=True)
@@ -87,7 +102,7 @@ def test_chat_whole_and_stream(server, client):
     assert c.message.role == "assistant" and c.finish_reason == "length"
     assert len(c.logprobs.content) == 6 and all(len(t.top_logprobs) == 3 for t in c.logprobs.content)
     # the fallback template (stories260K has none): BOS, "role: content" lines, then "assistant:"
-    tok = server.engine.tokenizer
+    tok = server.ref.tokenizer
     want_prompt = list(tok("system: Be brief.\nuser: Tell me a story\nassistant:").input_ids)
     assert r.usage.prompt_tokens == len(want_prompt)
     assert c.message.content == tok.decode(expected(server, want_prompt, 6), skip_special_tokens=True)
@@ -204,49 +219,60 @@ def test_api_key_is_required_on_v1():
         assert httpx.get(s.base + "/health").status_code == 200  # probes need no key
 
 
-def test_queue_full_is_429_with_retry_after():
-    with ServerThread(table_engine(delay=0.05), max_pending=2) as s:
-        async def go():
-            c = openai.AsyncOpenAI(base_url=s.url, api_key="x", max_retries=0)
-            streams = [await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, stream=True)
-                       for _ in range(2)]
-            for st in streams:  # both are running: the server holds its limit
-                await st.__anext__()
-            r = None
-            try:
-                await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
-            except openai.RateLimitError as e:
-                r = e.response
-            for st in streams:
-                await st.close()
-            return r
-        r = asyncio.run(go())
-        assert r is not None and r.status_code == 429 and int(r.headers["retry-after"]) >= 1
-        assert r.json()["error"]["type"] == "rate_limit_exceeded"
-        deadline = time.monotonic() + 10
-        while not s.all_free():  # the two closed streams were aborted: their pages come back
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+def test_queue_full_is_429_with_retry_after(server):
+    limit = server.worker.max_pending
+    server.worker.max_pending = 2
+    try:
+        with slow_steps(server):
+            async def go():
+                c = openai.AsyncOpenAI(base_url=server.url, api_key="x", max_retries=0)
+                streams = [await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, stream=True)
+                           for _ in range(2)]
+                for st in streams:  # both are running: the server holds its limit
+                    await st.__anext__()
+                r = None
+                try:
+                    await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+                except openai.RateLimitError as e:
+                    r = e.response
+                for st in streams:
+                    await st.close()
+                return r
+            r = asyncio.run(go())
+    finally:
+        server.worker.max_pending = limit
+    assert r is not None and r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["type"] == "rate_limit_exceeded"
+    deadline = time.monotonic() + 10
+    while not server.all_free():  # the two closed streams were aborted: their pages come back
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
-def test_disconnect_aborts_and_frees_pages_at_once():
-    with ServerThread(table_engine(delay=0.05)) as s:
+def test_disconnect_aborts_and_frees_pages_at_once(server):
+    def aborted():
+        try:
+            return metric(httpx.get(server.base + "/metrics").text, 'kvgen_request_finished_total{reason="abort"}')
+        except KeyError:  # none counted yet: no such sample
+            return 0.0
+
+    before = aborted()
+    with slow_steps(server):
         async def go():
-            c = openai.AsyncOpenAI(base_url=s.url, api_key="x", max_retries=0)
+            c = openai.AsyncOpenAI(base_url=server.url, api_key="x", max_retries=0)
             st = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, stream=True)
             await st.__anext__()
-            assert s.pages()["used"] > 0
+            assert server.pages()["used"] > 0
             await st.close()
             # a non-streaming request whose client gives up
             with pytest.raises(openai.APITimeoutError):
                 await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, timeout=0.5)
         asyncio.run(go())
         deadline = time.monotonic() + 3  # well before the 200 tokens (10 s) would have run out
-        while not s.all_free():
+        while not server.all_free():
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        text = httpx.get(s.base + "/metrics").text
-        assert metric(text, 'kvgen_request_finished_total{reason="abort"}') == 2
+    assert aborted() == before + 2
 
 
 def test_draining_server_refuses_new_requests():

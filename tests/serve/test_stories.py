@@ -1,10 +1,13 @@
 """kvgen serve with the real stories260K (fp32, kernels in the Triton interpreter).
 
 Greedy outputs through the ``openai`` client (completions and chat,
-streaming and not) equal ``LLM.generate`` on the same engine token for
-token; ``python -m kvgen.serve`` (the ``kvgen serve`` command) drains on
-SIGTERM under load and exits 0 with no request or page left. Sizes are
-small: an interpreted step costs about a second of CPU per sequence here.
+streaming and not) equal ``LLM.generate`` token for token, with the
+engine served on a thread (the very engine ``LLM`` holds) and in its own
+process (built there with the same settings); ``python -m kvgen.serve``
+(the ``kvgen serve`` command; engine in its own process, and with
+``--engine-in-process``) drains on SIGTERM under load and exits 0 with no
+request or page left and no engine process behind. Sizes are small: an
+interpreted step costs about a second of CPU per sequence here.
 """
 
 from __future__ import annotations
@@ -24,25 +27,37 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("transformers")
 
-from .helpers import MODEL, STORIES, ServerThread  # noqa: E402
+from kvgen.serve.engine_process import EngineSpec  # noqa: E402
+
+from .helpers import KINDS, MODEL, STORIES, ServerThread  # noqa: E402
 
 TOKENS = 6
 PROMPT = "Once upon a time"
 CHAT = [{"role": "user", "content": "Tell me a story about a dog."}]
+ENGINE = dict(kv="fp32", max_tokens=2048, max_num_seqs=4, verbose=False)
 
 
-def test_openai_client_greedy_equals_llm_generate():
+@pytest.fixture(scope="module")
+def reference():
+    """An LLM on stories260K and its greedy outputs for PROMPT and CHAT (token ids of the fallback template)."""
     from kvgen.engine import SamplingParams
     from kvgen.engine.llm import LLM
 
-    llm = LLM(str(STORIES), kv="fp32", max_tokens=2048, max_num_seqs=4, verbose=False)
+    llm = LLM(str(STORIES), **ENGINE)
     tok = llm.get_tokenizer()
     # the server's fallback chat template for a model without one: BOS, "role: content" lines, "assistant:"
     chat_ids = list(tok("user: Tell me a story about a dog.\nassistant:").input_ids)
-    params = SamplingParams(temperature=0, max_tokens=TOKENS)
-    ref_text, ref_chat = llm.generate([PROMPT, chat_ids], params)
+    ref_text, ref_chat = llm.generate([PROMPT, chat_ids], SamplingParams(temperature=0, max_tokens=TOKENS))
     assert len(ref_text.outputs[0].token_ids) == TOKENS and ref_text.outputs[0].text
-    with ServerThread(llm.engine) as s:
+    return llm, ref_text, ref_chat, chat_ids
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_openai_client_greedy_equals_llm_generate(kind, reference):
+    llm, ref_text, ref_chat, chat_ids = reference
+    served = llm.engine if kind == "thread" else EngineSpec("kvgen.engine.loader:build_engine",
+                                                             dict(model=str(STORIES), **ENGINE))
+    with ServerThread(served) as s:
         c = openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=300)
         whole = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS, temperature=0)
         streamed = "".join(ch.choices[0].text for ch in c.completions.create(
@@ -58,9 +73,9 @@ def test_openai_client_greedy_equals_llm_generate():
     assert s.summary == {"requests": 0, "pages_used": 0, "sequences": 0}
 
 
-def _read_port(proc: subprocess.Popen, lines: list[str], timeout: float) -> int:
-    """Read stderr until 'listening on http://host:PORT' (keeping every line), or fail."""
-    found: list[int] = []
+def _read_port(proc: subprocess.Popen, lines: list[str], timeout: float) -> tuple[int, int | None]:
+    """Read stderr until 'listening on http://host:PORT' (keeping every line), or fail; (port, engine pid or None)."""
+    found: list[tuple[int, int | None]] = []
     ready = threading.Event()
 
     def pump() -> None:
@@ -68,7 +83,8 @@ def _read_port(proc: subprocess.Popen, lines: list[str], timeout: float) -> int:
             lines.append(line)
             m = re.search(r"listening on http://[^ ]+:(\d+)", line)
             if m and not found:
-                found.append(int(m.group(1)))
+                pid = re.search(r"engine process (\d+)", line)
+                found.append((int(m.group(1)), int(pid.group(1)) if pid else None))
                 ready.set()
         ready.set()
 
@@ -77,14 +93,25 @@ def _read_port(proc: subprocess.Popen, lines: list[str], timeout: float) -> int:
     return found[0]
 
 
-def test_sigterm_under_load_drains_and_exits_0(tmp_path):
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("flags", [[], ["--engine-in-process"]], ids=["engine-process", "engine-in-process"])
+def test_sigterm_under_load_drains_and_exits_0(tmp_path, flags):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "kvgen.serve", "--model", str(STORIES), "--kv", "fp32", "--port", "0",
-           "--max-num-seqs", "4", "--cache-tokens", "2048", "--drain-timeout", "3", "--served-model-name", MODEL]
+           "--max-num-seqs", "4", "--cache-tokens", "2048", "--drain-timeout", "3", "--served-model-name", MODEL,
+           *flags]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     lines: list[str] = []
     try:
-        port = _read_port(proc, lines, 180)
+        port, engine_pid = _read_port(proc, lines, 180)
+        assert (engine_pid is None) == bool(flags), lines
         url = f"http://127.0.0.1:{port}/v1"
         results: list[tuple[str, str | None, bool]] = []
         first = threading.Barrier(4)
@@ -118,3 +145,5 @@ def test_sigterm_under_load_drains_and_exits_0(tmp_path):
             proc.wait()
     assert len(results) == 3 and all(saw and reason == "abort" for _, reason, saw in results), results
     assert any("0 requests left, 0 of" in ln and "KV pages in use, 0 sequences" in ln for ln in lines), "".join(lines)
+    if engine_pid is not None:
+        assert not _exists(engine_pid)  # the server waited for its engine process: none left, no zombie

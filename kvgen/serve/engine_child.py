@@ -1,0 +1,151 @@
+"""The engine process's side: build the engine from its spec, then run the EngineLoop on commands from the socket.
+
+Started by :class:`kvgen.serve.engine_process.ProcessWorker` with
+multiprocessing's ``spawn`` (a fresh interpreter: safe with CUDA, which a
+forked child cannot use). :func:`child_main`:
+
+1. ignores SIGINT and SIGTERM (a Ctrl-C in the terminal reaches the whole
+   process group; the parent drains and then stops this process) and
+   starts a thread that ends this process :data:`PARENT_GONE_GRACE_S`
+   after the parent's death, for a parent that dies while the engine
+   still loads (afterwards the loop notices the closed socket itself);
+2. builds the engine (``spec.build()``; for ``tp > 1`` build_engine starts
+   the ranks), sets it up as the server runs it, and sends ``("ready",
+   EngineInfo)`` -- or ``("error", exception)`` and exits 1;
+3. freezes the heap it has (see :func:`kvgen.serve.worker.hold_interpreter`)
+   and runs :class:`~.engine_loop.EngineLoop` until a ``stop`` command, the
+   parent's end of file, or a failing step;
+4. closes the engine (stopping tp ranks), sends ``("stopped",
+   engine_summary)`` and exits at once (1 after a failure).
+
+Messages in: ``(token, name, args)`` with ``name`` one of :data:`COMMANDS`
+(the EngineLoop method it runs); a command with a token is answered
+``("reply", token, ok, result or exception)``. Out, besides those: per
+step ``("step", [(encoded output, finished), ...], snapshot, stats)`` and
+on a failing step ``("failed", exception, request ids)``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import threading
+import traceback
+from typing import Any
+
+from .channel import ChildChannel, encode_output, portable_error
+from .engine_loop import EngineLoop, engine_info, prepare_engine
+from .stats import engine_summary
+
+COMMANDS = frozenset({"add", "abort", "call", "stats", "drain", "stop"})
+PARENT_GONE_GRACE_S = 5.0
+
+
+class _ChildPort:
+    """The engine process's :class:`~.engine_loop.Port`: commands from the socket, outputs to it."""
+
+    def __init__(self, channel: ChildChannel) -> None:
+        self.channel = channel
+        self.parent_gone = False
+
+    def wait(self, timeout: float) -> None:
+        self.channel.wait(timeout)
+
+    def run_commands(self, loop: EngineLoop) -> None:
+        messages = None if self.parent_gone else self.channel.receive()
+        if messages is None:
+            self.parent_gone = True
+            loop.stop()  # nobody is listening: abort everything and exit
+            return
+        for token, name, args in messages:
+            try:
+                if name not in COMMANDS:
+                    raise ValueError(f"unknown engine command {name!r}")
+                result, ok = getattr(loop, name)(*args), True
+            except BaseException as e:  # noqa: BLE001 -- answered to the caller, the loop goes on
+                result, ok = portable_error(e), False
+            if token is not None:
+                self.reply(token, ok, result)
+
+    def reply(self, token: int, ok: bool, result: Any) -> None:
+        try:
+            self.send(("reply", token, ok, result))
+        except Exception as e:  # noqa: BLE001 -- a result that cannot be pickled is the caller's error
+            self.send(("reply", token, False, portable_error(e)))
+
+    def emit(self, items: list[tuple[Any, Any, bool]], snapshot: bool, stats: dict[str, Any] | None) -> None:
+        self.send(("step", [(encode_output(out), finished) for _, out, finished in items], snapshot, stats))
+
+    def fail(self, error: BaseException, tags: list[Any]) -> None:
+        self.send(("failed", portable_error(error), tags))
+
+    def send(self, message: Any) -> None:
+        if not self.parent_gone and not self.channel.send(message):
+            self.parent_gone = True  # the next run_commands stops the loop
+
+
+def child_main(spec: Any, sock: Any) -> None:
+    """The engine process's entry point (see the module); ``sock``: its end of the socket pair."""
+    from kvgen.errors import KvgenError
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _ignore)  # a Python handler, unlike SIG_IGN, is not inherited by the ranks it starts
+    _exit_with_parent()
+    channel = ChildChannel(sock)
+    try:
+        engine = spec.build()
+        prepare_engine(engine)
+        info = engine_info(engine)
+    except BaseException as e:  # noqa: BLE001 -- the parent raises it
+        if not isinstance(e, KvgenError):
+            traceback.print_exc()
+        channel.send(("error", portable_error(e)))
+        sys.exit(1)
+    try:
+        channel.send(("ready", info))
+    except Exception as e:  # noqa: BLE001 -- pickling the tokenizer failed
+        from .cli import ServeError
+
+        channel.send(("error", ServeError(f"the engine's tokenizer cannot be sent to the server process "
+                                          f"({type(e).__name__}: {e}); serve with --engine-in-process")))
+        engine.close()
+        sys.exit(1)
+    gc.collect()
+    gc.freeze()  # the model, torch and the engine: out of the collector's full collections (GIL pauses)
+    port = _ChildPort(channel)
+    loop = EngineLoop(engine, port)
+    loop.run()
+    try:
+        summary = engine_summary(engine)
+    except Exception:  # noqa: BLE001 -- a broken engine after a failed step
+        summary = None
+    engine.close()
+    port.send(("stopped", summary))
+    channel.close()
+    # Nothing is left to clean up: skip the interpreter's teardown of torch and the model (a second or more; the
+    # parent waits for this exit) and the complaints of bindings whose objects gc.freeze kept alive.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if loop.error is not None else 0)
+
+
+def _ignore(sig: int, frame: Any) -> None:
+    pass
+
+
+def _exit_with_parent() -> None:
+    """End this process :data:`PARENT_GONE_GRACE_S` seconds after its parent's death (a daemon thread)."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()  # returns when the parent's end of the spawn pipe closes: the parent exited
+        threading.Event().wait(PARENT_GONE_GRACE_S)  # the loop usually exits cleanly first
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvgen-parent-watch", daemon=True).start()

@@ -1,0 +1,331 @@
+"""ProcessWorker: the engine in a process of its own (``kvgen serve``'s default), driven from the event loop.
+
+With the engine on a thread of the server's process, the HTTP side and
+the engine's step loop share one GIL: every streamed chunk is Python work
+the engine waits behind (on the H200 the served throughput at 64 clients
+was 14-30% below the engine's own, 60% at 256). As vLLM V1 does, the
+engine core runs in its own process instead:
+
+- :class:`EngineSpec` says how to build the engine (a module-level factory
+  and its keyword arguments; for ``kvgen serve``,
+  :func:`kvgen.engine.loader.build_engine` with the command line's). The
+  engine process is started with multiprocessing's ``spawn`` (CUDA-safe),
+  builds the engine itself and runs :class:`~.engine_loop.EngineLoop` --
+  the loop the in-process thread runs -- see :mod:`.engine_child`.
+- The two talk over a socket pair (:mod:`.channel`): commands in (``add``,
+  ``abort``, ``call``, ``stats``, ``drain``, ``stop``), one message per
+  engine step out (its delta outputs and the metrics' counts). On this
+  side no thread: the event loop reads the socket (an asyncio protocol)
+  and pushes each step's outputs to their :class:`~.stream.Stream`.
+- The HTTP side needs the tokenizer, the vocabulary size and
+  ``max_model_len`` for its Prompter: the engine process sends them once
+  the engine is built, the tokenizer as the pickled object itself (a
+  Hugging Face tokenizer pickles; a GGUF's would have to be re-read from
+  the file, and an EngineSpec need not name a model path at all), so both
+  sides tokenize with the same tokenizer whatever built it.
+- Death of the engine process (a crash, a kill) is noticed at once (end of
+  file on the socket; the process's sentinel as a backstop): ``alive``
+  turns False, every open stream fails with ApiError 500, ``/health``
+  answers 503. The engine process exits when this process dies (it reads
+  end of file; a thread watches for a parent that dies while the engine
+  still loads), and an exit hook here kills it if this interpreter exits
+  without :meth:`ProcessWorker.stop`.
+- Stopping: :meth:`~ProcessWorker.begin_drain` forwards the drain (the
+  loop aborts what is unfinished at the deadline); :meth:`~ProcessWorker.stop`
+  sends ``stop``, takes the engine's summary (requests left, pages used,
+  sequences) from the engine process's last message and waits for it to exit.
+
+The construction blocks until the engine is built (or raises its error:
+a KvgenError as it is, so ``kvgen serve`` prints one line).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import importlib
+import itertools
+import multiprocessing
+import multiprocessing.connection
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgen.errors import KvgenError
+
+from .channel import FrameReader, ParentProtocol, decode_output, frame, socket_pair
+from .engine_child import child_main
+from .stream import Stream
+from .worker import WorkerBase, hold_interpreter
+
+STOP_TIMEOUT_S = 30.0
+EXIT_TIMEOUT_S = 15.0
+"""After its ``stopped`` message, how long the engine process may take to exit (closing tp ranks) before a kill."""
+
+
+class EngineProcessError(KvgenError):
+    """The engine process could not start, or exited."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How the engine process builds its engine: ``factory(**kwargs)``; picklable.
+
+    ``factory``: a module-level function (pickled by name), or its name as
+    ``"package.module:function"`` (imported in the engine process only: the
+    server's process then never imports what the factory needs, e.g. torch).
+    As with any ``spawn`` start, the engine process imports the main
+    script again (as ``__mp_main__``): a script that serves an EngineSpec
+    keeps its top-level code under ``if __name__ == "__main__":``.
+    """
+
+    factory: Callable[..., Any] | str
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def build(self) -> Any:
+        factory = self.factory
+        if isinstance(factory, str):
+            module, _, name = factory.partition(":")
+            factory = getattr(importlib.import_module(module), name)
+        return factory(**self.kwargs)
+
+
+class ProcessWorker(WorkerBase):
+    """The app's worker for an engine in its own process (see the module); same interface as EngineWorker."""
+
+    def __init__(self, spec: EngineSpec, *, max_pending: int, metrics: Any = None) -> None:
+        super().__init__(max_pending=max_pending, metrics=metrics)
+        self.spec = spec
+        self._error: BaseException | None = None
+        self._routes: dict[str, tuple[Stream, int, list[int]]] = {}  # request id -> (stream, prompt index, prompt)
+        self._replies: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count()
+        self._transport: asyncio.Transport | None = None
+        self._stopped: asyncio.Future | None = None
+        self._summary: dict[str, int] | None = None
+        self._gone = False  # the engine process exited (or its socket closed)
+        self._stopping = False
+        self._held = False
+        self._launch()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    # -- start-up (blocking, before the event loop runs) ---------------------------------------
+    def _launch(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._sock, child_sock = socket_pair()
+        self._proc = ctx.Process(target=child_main, args=(self.spec, child_sock), name="kvgen-engine")
+        try:
+            self._proc.start()
+        except Exception as e:  # noqa: BLE001 -- most likely a spec that does not pickle
+            self._sock.close()
+            raise EngineProcessError(f"cannot start the engine process: {type(e).__name__}: {e} (an EngineSpec's "
+                                     f"factory must be a module-level function and its kwargs picklable)") from e
+        finally:
+            child_sock.close()
+        atexit.register(self._kill)
+        self._reader = FrameReader()
+        try:
+            self.info = self._wait_ready()
+        except BaseException:
+            self._kill()
+            raise
+
+    def _wait_ready(self) -> Any:
+        """Read until ``ready`` (the EngineInfo); the engine's own error if building it failed."""
+        sock, proc = self._sock, self._proc
+        while True:
+            ready = multiprocessing.connection.wait([sock, proc.sentinel])
+            if sock in ready:
+                data = sock.recv(1 << 20)
+                messages = self._reader.feed(data) if data else []
+                for kind, value in messages:
+                    if kind == "ready":
+                        return value
+                    if kind == "error":
+                        proc.join(EXIT_TIMEOUT_S)
+                        raise value
+                if data:
+                    continue
+            proc.join(EXIT_TIMEOUT_S)
+            raise EngineProcessError(f"the engine process exited with code {proc.exitcode} while building the "
+                                     f"engine (its error is printed above)")
+
+    # -- life cycle (event loop) ----------------------------------------------------------
+    async def start(self) -> None:
+        """Read and write the engine process's socket from the running event loop from now on."""
+        self.loop = loop = asyncio.get_running_loop()
+        self._stopped = loop.create_future()
+        self._sock.setblocking(False)
+        protocol = ParentProtocol(self._reader, self._on_message, self._on_lost)
+        self._transport, _ = await loop.create_unix_connection(lambda: protocol, sock=self._sock)
+        loop.add_reader(self._proc.sentinel, self._on_exit)
+        hold_interpreter(True)
+        self._held = True
+
+    async def stop(self, timeout: float = STOP_TIMEOUT_S) -> dict[str, int] | None:
+        """Stop the engine process (it aborts what is left) and wait for it; its summary (None if it had died)."""
+        self._stopping = True
+        if self._transport is None:  # never started: nothing ran on it
+            self._kill()
+            return None
+        if not self._gone:
+            self._send((None, "stop", ()))
+            try:
+                await asyncio.wait_for(asyncio.shield(self._stopped), timeout)
+            except asyncio.TimeoutError:
+                pass
+        await asyncio.get_running_loop().run_in_executor(None, self._reap)
+        self.loop.remove_reader(self._proc.sentinel)
+        self._transport.close()
+        if self._held:
+            self._held = False
+            hold_interpreter(False)
+        return self._summary
+
+    def begin_drain(self, timeout: float) -> None:
+        """Refuse new requests from now on; the engine aborts the unfinished ones after ``timeout`` seconds.
+
+        Safe to call from a signal handler (the command is sent from the event loop).
+        """
+        if not self.draining:
+            self.draining = True
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(self._send, (None, "drain", (timeout,)))
+
+    @property
+    def alive(self) -> bool:
+        return not self._gone and self._error is None and self._transport is not None
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    # -- requests and calls (event loop) ----------------------------------------------------
+    async def _add(self, stream: Stream, prompts: Sequence[list[int]], params: Any, arrival: float) -> None:
+        for i, (rid, prompt) in enumerate(zip(stream.request_ids, prompts)):
+            self._routes[rid] = (stream, i, prompt)
+        await self._request("add", stream.request_ids, prompts, params, arrival)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._routes.pop(rid, None)
+        if self.alive:
+            self._send((None, "abort", (request_ids,)))
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(engine, *args)`` in the engine process between two steps (``fn`` module-level; all picklable)."""
+        return await self._request("call", fn, args)
+
+    async def refresh_metrics(self) -> None:
+        """Hand the metrics the engine's counts so far and its gauges as of now."""
+        stats = await self._request("stats")
+        if self.metrics is not None:
+            self.metrics.apply(stats)
+
+    async def _request(self, name: str, *args: Any) -> Any:
+        if not self.alive:
+            raise self._not_running()
+        token = next(self._tokens)
+        data = frame((token, name, args))  # before registering: a pickling error is the caller's
+        fut = self.loop.create_future()
+        self._replies[token] = fut
+        try:
+            self._transport.write(data)
+            return await fut
+        finally:
+            self._replies.pop(token, None)
+
+    def _send(self, message: Any) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(frame(message))
+
+    # -- messages from the engine process (event loop) -------------------------------------------
+    def _on_message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            _, items, snapshot, stats = message
+            routes = self._routes
+            for wire, finished in items:
+                route = routes.get(wire[0])
+                if route is None:
+                    continue  # closed by its handler meanwhile
+                if finished:
+                    del routes[wire[0]]
+                stream, index, prompt = route
+                stream.push(index, decode_output(wire, prompt), finished, snapshot)
+            if self.metrics is not None:
+                self.metrics.apply(stats)
+        elif kind == "reply":
+            _, token, ok, value = message
+            fut = self._replies.pop(token, None)
+            if fut is not None and not fut.done():
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+        elif kind == "failed":
+            _, error, request_ids = message
+            self._error = error
+            self._fail_streams(error, request_ids)
+        elif kind == "stopped":
+            self._summary = message[1]
+            if self._stopped is not None and not self._stopped.done():
+                self._stopped.set_result(None)
+
+    def _on_lost(self) -> None:
+        """End of file: the engine process closed its end (stopping) or died."""
+        self._child_gone()
+
+    def _on_exit(self) -> None:
+        """The process's sentinel: it exited. Its last messages may still be unread: look again shortly."""
+        self.loop.remove_reader(self._proc.sentinel)
+        self.loop.call_later(1.0, self._child_gone)
+
+    def _child_gone(self) -> None:
+        if self._gone:
+            return
+        self._gone = True
+        if self._stopped is not None and not self._stopped.done():
+            self._stopped.set_result(None)
+        if self._stopping:
+            return
+        self._proc.join(1.0)  # it closed every file as it exited: the exit code follows at once
+        if self._error is None:
+            self._error = EngineProcessError(f"the engine process exited with code {self._proc.exitcode}")
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(self._not_running())
+        self._fail_streams(self._error, list(self._routes))
+
+    def _fail_streams(self, error: BaseException, request_ids: list[str]) -> None:
+        failed: set[int] = set()
+        for rid in request_ids:
+            route = self._routes.pop(rid, None)
+            if route is not None and id(route[0]) not in failed:
+                failed.add(id(route[0]))
+                route[0].fail(error)
+
+    # -- ending the process ---------------------------------------------------------------------
+    def _reap(self) -> None:
+        """Wait for the engine process to exit (killed after :data:`EXIT_TIMEOUT_S`); drop the exit hook."""
+        proc = self._proc
+        proc.join(EXIT_TIMEOUT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        atexit.unregister(self._kill)
+
+    def _kill(self) -> None:
+        """Kill the engine process now (this interpreter exits without having stopped it, or start-up failed)."""
+        proc = self._proc
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        atexit.unregister(self._kill)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
