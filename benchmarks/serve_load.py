@@ -3,6 +3,7 @@
     python -m benchmarks.serve_load [--quick] [--kv bf16,int8,int4] [--out benchmarks/results/serve_load.json]
     python -m benchmarks.serve_load --standin [--step-ms 10]   # CPU proxy of the HTTP overhead (no GPU)
     python -m benchmarks.serve_load --smoke        # CPU, tiny random model, interpreter: checks the script runs
+    python -m benchmarks.serve_load --engine-in-process ...    # the engine on a thread of the server instead
 
 GPU: a Llama-3-8B-shaped model with random bf16 weights (benchmarks.engine's
 config; no download, no tokenizer: prompts are token ids), one engine per KV
@@ -10,21 +11,34 @@ scheme. ``--standin``: the same engine machinery (scheduler, sampler, a real
 KVCache and BlockManager of a tiny model) with a stand-in model whose step
 sleeps ``--step-ms`` (releasing the GIL as a wait on the GPU does) and reads
 the next token from a table -- so on a CPU the served run pays exactly the
-server's own costs (HTTP, SSE, JSON, the GIL shared with the engine thread).
+server's own costs (HTTP, SSE, JSON, the hand-over between the server and
+the engine process; with ``--engine-in-process`` the GIL shared with the
+engine thread). It assumes spare cores, as on a GPU host: on a machine
+where the client process, the server and the engine process share fewer
+cores than they keep busy, the engine process waits for a core at every
+step (on a 2-core VM the kernel ran the woken server before letting the
+engine process's send return: 3 ms per 12 ms step at 64 clients).
 
-For each concurrency C a bounded, seeded workload of requests (prompt and
-output lengths uniform, ``ignore_eos``) runs on both paths, in this process
-and on the same engine, after a warm-up of each path at C (kernel tuning,
-graph capture, connection set-up are paid before anything is timed):
+Per KV scheme one server runs, as ``kvgen serve`` runs it: ``kvgen
+serve``'s app on 127.0.0.1 (uvicorn in this process) with the engine built
+and run in its own process (:class:`kvgen.serve.engine_process.EngineSpec`
+of :func:`bench_engine`), so GPU memory holds one engine at a time and this
+process never touches the GPU. With ``--engine-in-process`` the engine is
+built here and runs on a thread of the server (``kvgen serve
+--engine-in-process``). For each concurrency C a bounded, seeded workload of
+requests (prompt and output lengths uniform, ``ignore_eos``) runs on both
+paths on that same engine, after a warm-up of each path at C (kernel
+tuning, graph capture, connection set-up are paid before anything is timed):
 
-- ``offline``: straight on the engine, closed loop with at most C requests
-  in flight (a finished request is replaced by the next), as the clients do;
-- ``served``: through ``kvgen serve``'s app on 127.0.0.1 (uvicorn and the
-  engine thread in this process, as ``kvgen serve`` runs them), driven by C
-  streaming HTTP clients in a separate process (so the load generator does
-  not share the server's GIL), ``stream_options.include_usage`` on.
+- ``offline``: straight on the engine, where it runs (the server's
+  ``call(offline_run, ...)`` runs it between two steps of the idle server),
+  closed loop with at most C requests in flight (a finished request is
+  replaced by the next), as the clients do;
+- ``served``: through the server, driven by C streaming HTTP clients in a
+  separate process (so the load generator does not share the server's
+  GIL), ``stream_options.include_usage`` on.
 
-Records (JSON ``{machine, python, torch, triton, date, command, records}``):
+Records (JSON ``{machine, python, torch, triton, date, command, engine, records}``; ``engine``: where it ran):
 ``kind`` ``served`` or ``offline``, ``kv``, ``clients``, ``requests``, ``s``,
 ``requests_per_s``, ``tokens_per_s`` (output tokens), ``ttft_p50/p99_ms``,
 ``tpot_p50/p99_ms`` (served: client-side, first streamed token after sending,
@@ -159,7 +173,42 @@ def client_main(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- the server side ----------------------------------------------------------------------------------------------
+# -- the engine side (in the engine process, or on the server's engine thread) -------------------------------------
+def bench_engine(*, kv: str, cpu: bool, standin: bool, step_ms: float, smoke: bool, max_num_seqs: int):
+    """The benchmark's engine for one KV scheme (module-level: the engine process builds it from an EngineSpec)."""
+    from kvgen.engine.loader import build_engine
+
+    if cpu:
+        config, dev, dtype = TINY, "cpu", "float32"
+        max_model_len = 64 if smoke else 256
+        max_tokens = max_model_len * max_num_seqs
+    else:
+        from benchmarks.engine import LLAMA3_8B
+        config, dev, dtype, max_model_len, max_tokens = LLAMA3_8B, "cuda", "bfloat16", 2048, None
+    engine = build_engine(config=config, kv=kv, dtype=dtype, device=dev, max_model_len=max_model_len,
+                          max_num_seqs=max_num_seqs, max_tokens=max_tokens,
+                          max_num_batched_tokens=4096 if standin else None, verbose=not standin)
+    if standin:
+        engine.runner = StandinRunner(step_ms / 1e3, config["vocab_size"])
+    return engine
+
+
+def device_name(engine) -> str | None:
+    """The engine's GPU name (None on the CPU); read where the engine runs, so this process never touches CUDA."""
+    import torch
+
+    dev = engine.cache.device
+    return torch.cuda.get_device_name(dev) if torch.device(dev).type == "cuda" else None
+
+
+def offline_run(engine, reqs: list, clients: int) -> dict:
+    """:func:`offline` with the engine's device sync; run on the engine between two steps of an idle server."""
+    import torch
+
+    dev = torch.device(engine.cache.device)
+    return offline(engine, reqs, clients, torch.cuda.synchronize if dev.type == "cuda" else (lambda: None))
+
+
 def offline(engine, reqs: list, clients: int, sync) -> dict:
     """The workload straight on the engine, at most ``clients`` requests in flight."""
     # As LLM.generate runs the engine: outputs only when a request finishes, no running text. The served path's
@@ -202,13 +251,14 @@ def _offline(engine, reqs: list, clients: int, sync) -> dict:
 
 
 class Served:
-    """``kvgen serve``'s app for ``engine`` on a free loopback port, in a thread of this process."""
+    """``kvgen serve``'s app for ``engine`` (an EngineSpec, or an engine) on a free loopback port, in a thread."""
 
     def __init__(self, engine) -> None:
         from kvgen.serve.app import build_app
         from kvgen.serve.server import bind, make_server
 
         self.app = build_app(engine, model_name=MODEL, max_pending=4096)
+        self.worker = self.app.state.serve.worker
         self.server = make_server(self.app, drain_timeout=5)
         sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -218,6 +268,10 @@ class Served:
             if not self.thread.is_alive():
                 raise RuntimeError("the server did not start")
             time.sleep(0.01)
+
+    def call(self, fn, *args):
+        """``fn(engine, *args)`` where the engine runs, between two steps; its result."""
+        return asyncio.run_coroutine_threadsafe(self.worker.call(fn, *args), self.worker.loop).result()
 
     def stop(self) -> None:
         self.server.request_exit()
@@ -239,18 +293,14 @@ def drive(url: str, reqs: list, clients: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure(engine, reqs: list, warm: list, clients: int, sync, repeat: int) -> tuple[dict, dict]:
+def measure(served: Served, reqs: list, warm: list, clients: int, repeat: int) -> tuple[dict, dict]:
     """Both paths on ``reqs`` at ``clients``, each warmed up on ``warm`` first; the fastest of ``repeat`` runs."""
-    offline(engine, warm, clients, sync)
+    served.call(offline_run, warm, clients)
     runs: dict[str, list[dict]] = {"offline": [], "served": []}
     for _ in range(repeat):
-        runs["offline"].append(offline(engine, reqs, clients, sync))
-        server = Served(engine)
-        try:
-            drive(server.url, warm, clients)
-            runs["served"].append(drive(server.url, reqs, clients))
-        finally:
-            server.stop()
+        runs["offline"].append(served.call(offline_run, reqs, clients))
+        drive(served.url, warm, clients)
+        runs["served"].append(drive(served.url, reqs, clients))
     best = {k: max(v, key=lambda r: r["tokens_per_s"]) for k, v in runs.items()}
     for k, v in runs.items():
         best[k] = dict(best[k], runs=[round(r["tokens_per_s"], 1) for r in v],
@@ -281,6 +331,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/serve_load.json")
     ap.add_argument("--kv", default="bf16,int8,int4")
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="client counts, comma-separated")
+    ap.add_argument("--engine-in-process", action="store_true",
+                    help="build the engine here and serve it from a thread (kvgen serve --engine-in-process); "
+                         "default: the engine in its own process, as kvgen serve runs it")
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
@@ -289,34 +342,30 @@ def main(argv=None) -> int:
         return client_main(args)
     cpu = args.smoke or args.standin
     if cpu:  # the KV cache's kernels run in the interpreter on the CPU (the stand-in launches none per step)
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; the engine process inherits it
 
     import torch
     import triton
 
     import kvgen.serve.app  # noqa: F401 -- fail now, not after the first engine, without the serve extra
-    from kvgen.engine.loader import build_engine
+    from kvgen.serve.engine_process import EngineSpec
 
     smoke, quick = args.smoke, args.quick or args.smoke
     levels = [1, 4] if smoke else [int(c) for c in args.concurrency.split(",")]
     kvs = ["fp32"] if cpu else args.kv.split(",")
     if cpu:
-        config, dev, dtype, vocab = TINY, "cpu", "float32", TINY["vocab_size"]
+        vocab = TINY["vocab_size"]
         prompt, output = ((8, 24), (3, 5)) if smoke else ((16, 64), (32, 96))
-        max_model_len = 64 if smoke else 256
     else:
-        from benchmarks.engine import LLAMA3_8B
-        config, dev, dtype, vocab = LLAMA3_8B, "cuda", "bfloat16", 100000
+        vocab = 100000
         prompt, output = ((128, 512), (32, 128)) if quick else ((256, 1024), (64, 256))
-        max_model_len = 2048
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     records: list[dict] = []
-    doc = dict(machine=torch.cuda.get_device_name() if dev == "cuda" else machine(), python=platform.python_version(),
-               torch=torch.__version__, triton=triton.__version__,
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(), quick=quick,
+    doc = dict(machine=machine(), python=platform.python_version(), torch=torch.__version__,
+               triton=triton.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(), quick=quick,
                command="python -m benchmarks.serve_load " + " ".join(sys.argv[1:] if argv is None else argv),
                model=("stand-in (sleep %g ms per step, table tokens) on a tiny fp32 KVCache" % args.step_ms
                       if args.standin else "tiny random" if smoke else "Llama-3-8B shape, random weights"),
+               engine="server's process (thread)" if args.engine_in_process else "own process",
                prompt_tokens=list(prompt), output_tokens=list(output), records=records)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -327,43 +376,48 @@ def main(argv=None) -> int:
         tmp.replace(out)
 
     for kv in kvs:
+        spec = EngineSpec(bench_engine, dict(kv=kv, cpu=cpu, standin=args.standin, step_ms=args.step_ms,
+                                             smoke=smoke, max_num_seqs=max(levels)))
         try:
-            engine = build_engine(config=config, kv=kv, dtype=dtype, device=dev, max_model_len=max_model_len,
-                                  max_num_seqs=max(levels), max_tokens=None if not cpu else max_model_len * max(levels),
-                                  max_num_batched_tokens=4096 if args.standin else None, verbose=not args.standin)
+            served = Served(spec.build() if args.engine_in_process else spec)
         except Exception as e:  # one scheme failing must not lose the others
             log(f"{kv}: engine failed: {type(e).__name__}: {e}")
             continue
-        if args.standin:
-            engine.runner = StandinRunner(args.step_ms / 1e3, vocab)
-        for c in levels:
-            if smoke:
-                n = 2 * c
-            elif quick:
-                n = max(2 * c, 8)
-            else:
-                n = min(max(4 * c, 32), 1024)
-            reqs = workload(n, seed=c, prompt=prompt, output=output, vocab=vocab)
-            warm = workload(min(n, max(c, 4)), seed=10_000 + c, prompt=prompt, output=output, vocab=vocab)
-            try:
-                base, rec = measure(engine, reqs, warm, c, sync, max(1, args.repeat))
-            except Exception as e:
-                log(f"{kv} x{c}: run failed: {e}")
-                continue
-            base.update(kind="offline", kv=kv, clients=c)
-            rec.update(kind="served", kv=kv, clients=c, http_overhead=1 - rec["tokens_per_s"] / base["tokens_per_s"],
-                       http_overhead_median=1 - rec["tokens_per_s_median"] / base["tokens_per_s_median"])
-            records += [base, rec]
-            log(json.dumps(base))
-            log(json.dumps(rec))
-            save()
-        engine.close()
-        del engine
-        # the engine's tensors sit in reference cycles (graphs, runner, cache): collect them before the next
-        # scheme's engine sizes its KV from free memory (H200: int8 and int4 hit OOM after bf16 without this)
-        gc.collect()
-        if dev == "cuda":
-            torch.cuda.empty_cache()
+        try:
+            doc["machine"] = served.call(device_name) or doc["machine"]
+            for c in levels:
+                if smoke:
+                    n = 2 * c
+                elif quick:
+                    n = max(2 * c, 8)
+                else:
+                    n = min(max(4 * c, 32), 1024)
+                reqs = workload(n, seed=c, prompt=prompt, output=output, vocab=vocab)
+                warm = workload(min(n, max(c, 4)), seed=10_000 + c, prompt=prompt, output=output, vocab=vocab)
+                try:
+                    base, rec = measure(served, reqs, warm, c, max(1, args.repeat))
+                except Exception as e:
+                    log(f"{kv} x{c}: run failed: {e}")
+                    continue
+                base.update(kind="offline", kv=kv, clients=c)
+                rec.update(kind="served", kv=kv, clients=c,
+                           http_overhead=1 - rec["tokens_per_s"] / base["tokens_per_s"],
+                           http_overhead_median=1 - rec["tokens_per_s_median"] / base["tokens_per_s_median"])
+                records += [base, rec]
+                log(json.dumps(base))
+                log(json.dumps(rec))
+                save()
+        finally:
+            served.stop()  # the engine process exits: its GPU memory is free for the next scheme's engine
+        if args.engine_in_process:
+            engine = served.worker.engine
+            engine.close()
+            del engine, served
+            # the engine's tensors sit in reference cycles (graphs, runner, cache): collect them before the next
+            # scheme's engine sizes its KV from free memory (H200: int8 and int4 hit OOM after bf16 without this)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     save()
     log(f"wrote {out}")
     log(table(records))
