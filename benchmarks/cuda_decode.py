@@ -1,6 +1,6 @@
 """CUDA vs Triton decode through generated packages, and contiguous SDPA, at the ANCHORS shapes.
 
-    python -m benchmarks.cuda_decode --out cuda_decode.json [--schemes bf16,int8] [--quick] [--tune]
+    python -m benchmarks.cuda_decode --out cuda_decode.json [--schemes bf16,int8,int4] [--quick] [--tune]
 
 For each shape (B, L, Hq/Hkv, D; page 16) and scheme it compiles a one-layer
 plan twice (``--backend triton`` and ``--backend cuda``), loads each package,
@@ -29,7 +29,6 @@ from benchmarks.run import ANCHOR_SHAPES as ANCHORS
 from benchmarks.run import PAGE, copy_bandwidth
 from kvgen.atomic import write_atomic
 
-BYTES_PER_TOKEN_HEAD = {"bf16": lambda d: 4 * d, "fp16": lambda d: 4 * d, "int8": lambda d: 2 * d + 8}
 
 
 def _compile(scheme, backend, B, L, Hq, Hkv, D, out_dir):
@@ -121,7 +120,10 @@ def case(scheme, shape, args, tmp, copy_bw):
     if "cuda" in outs:
         a, b = outs["cuda"], outs["triton"]
         rec["rel_l2_cuda_vs_triton"] = float((a - b).norm() / b.norm())
-    kv_bytes = B * L * Hkv * BYTES_PER_TOKEN_HEAD.get(scheme, lambda d: 4 * d)(D)
+    from kvgen.registry import default_registry
+
+    # the scheme's own accounting (residual schemes: the partial tail page counts as compressed, a rounding)
+    kv_bytes = int(B * L * Hkv * default_registry().schemes[scheme].bytes_per_token_per_kv_head(D, PAGE))
     rec["kv_bytes"] = kv_bytes
     for backend in ("triton", "cuda"):
         for key in ("ms", "tuned_ms"):

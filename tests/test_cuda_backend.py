@@ -56,6 +56,7 @@ BUILD_SPECS = [
     _spec(),
     _spec("int8", head_dim=64, gqa=20, page=8, dtype="float16", heads=2, sliding_window=40, softcap=30.0),
     _spec("fp16", head_dim=256, gqa=1, page=32, dtype="bfloat16", heads=4),
+    _spec("int4", head_dim=64, gqa=4, page=32, dtype="float16", heads=2, sliding_window=40),  # KIVI + residual pool
 ]
 
 
@@ -87,7 +88,9 @@ def test_unsupported_specs_name_a_reason():
         "float32": (_spec("fp32", dtype="float32"), "fp32"),
         "head_dim": (_spec(head_dim=72), "bf16"),
         "page size": (_spec(page=24), "bf16"),
-        "residual": (_spec("int4", head_dim=128), "int4"),
+        "multiple of 16": (_spec("int4", page=8), "int4"),  # residual schemes need whole tiles per page
+        "4-bit": (_spec("int2"), "int2"),
+        "KIVI reader needs": (_spec("int4", head_dim=96), "int4"),
         "CUDA macros": (_spec("fp8"), "fp8"),
         "sm_80": (dataclasses.replace(_spec(), arch="sm_75"), "bf16"),
     }
@@ -95,6 +98,7 @@ def test_unsupported_specs_name_a_reason():
         reason = cuda_backend.reason_unsupported(spec, reg.schemes[scheme])
         assert reason and word in reason, (word, reason)
     assert cuda_backend.reason_unsupported(_spec("int8"), reg.schemes["int8"]) is None
+    assert cuda_backend.reason_unsupported(_spec("int4"), reg.schemes["int4"]) is None
     with pytest.raises(ValueError, match="cannot use the CUDA backend"):
         _sources(_spec(head_dim=72))
 
@@ -336,6 +340,9 @@ GPU_CASES = [  # scheme, head_dim, gqa, page, compute dtype, kv heads
     ("int8", 128, 4, 8, "bfloat16", 2),
     ("fp16", 256, 1, 16, "float16", 2),
     ("bf16", 128, 20, 16, "bfloat16", 1),
+    ("int4", 128, 8, 16, "bfloat16", 8),   # KIVI: compressed pages, then the residual tail page
+    ("int4", 64, 4, 32, "float16", 2),
+    ("int4", 256, 2, 16, "bfloat16", 2),
 ]
 
 
@@ -382,7 +389,7 @@ def test_gpu_cuda_decode_page_boundaries_and_ragged(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["bf16", "int8"])
+@pytest.mark.parametrize("scheme", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("splits,warps,depth", [(1, 4, 1), (1, 8, 2), (3, 4, 2), (16, 8, 1), (128, 4, 2), (2, 4, 2)])
 def test_gpu_cuda_decode_splits_warps_and_depth(scheme, splits, warps, depth):
     # lengths whose per-warp tile counts are odd and even, so a depth-2 pipeline ends on either buffer
@@ -391,7 +398,7 @@ def test_gpu_cuda_decode_splits_warps_and_depth(scheme, splits, warps, depth):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["fp16", "int8"])
+@pytest.mark.parametrize("scheme", ["fp16", "int8", "int4"])
 def test_gpu_cuda_decode_window_and_softcap(scheme):
     p = 16
     for window, softcap in ((40, 0.0), (0, 20.0), (100, 30.0)):
@@ -401,7 +408,7 @@ def test_gpu_cuda_decode_window_and_softcap(scheme):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["bf16", "int8"])
+@pytest.mark.parametrize("scheme", ["bf16", "int8", "int4"])
 def test_gpu_cuda_decode_real_size_matches_triton(scheme):
     """The Llama-3-70B shard shape at long contexts: CUDA and Triton agree on one cache, both near the reference."""
     import torch

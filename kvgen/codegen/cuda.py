@@ -13,7 +13,7 @@ own), ``X.j2`` -> ``cuda/X.j2`` (found in the folder the scheme's plugin
 already registers, e.g. plugins/macros/cuda/int8.j2). The macro file
 defines ``page_reader(L)`` and ``unsupported(L)`` (contract in
 templates/cuda/schemes/float.j2). A spec the CUDA templates cannot serve
-(another op, a residual scheme, float32, a head dim or page size outside
+(another op, float32, a head dim or page size outside
 their geometry, a scheme without CUDA macros) has a reason
 (:func:`unsupported`), and the package falls back to Triton for it.
 """
@@ -60,8 +60,9 @@ def unsupported(spec: KernelSpec, scheme: Scheme, L: LayoutContext, env: jinja2.
     """Why the CUDA templates cannot render ``spec``, or None when they can."""
     if spec.op not in OPS:
         return f"no CUDA template for {spec.op} yet"
-    if scheme.residual_tokens is not None:
-        return f"scheme {scheme.name} keeps a residual pool, which the CUDA decode does not read yet"
+    if scheme.residual_tokens is not None and spec.page_size % 16:
+        return (f"page size {spec.page_size}: a scheme with a residual pool needs pages of a multiple of 16 tokens "
+                f"in the CUDA decode")
     if spec.compute_dtype == "float32":
         return "float32 compute: the CUDA decode runs 16-bit tensor-core dots only"
     if spec.head_dim % 16 or spec.head_dim > 256:
@@ -85,13 +86,14 @@ def cu_header(spec: KernelSpec, template_hash: str) -> str:
             f"{comment('spec: ' + json.dumps(spec.to_json(), sort_keys=True))}\n")
 
 
-def render(spec: KernelSpec, scheme: Scheme, L: LayoutContext, env: jinja2.Environment, py_header: str,
-           template_hash: str) -> dict[str, str]:
-    """``{".py": module source, ".cu": CUDA source}`` of a CUDA spec; ValueError if it is unsupported."""
+def render(spec: KernelSpec, scheme: Scheme, L: LayoutContext, R: LayoutContext, env: jinja2.Environment,
+           py_header: str, template_hash: str) -> dict[str, str]:
+    """``{".py": module source, ".cu": CUDA source}`` of a CUDA spec (``R``: the residual pool's layout);
+    ValueError if it is unsupported."""
     reason = unsupported(spec, scheme, L, env)
     if reason:
         raise ValueError(f"{spec.name} cannot use the CUDA backend: {reason}")
-    ctx = dict(spec=spec, L=L, scheme=scheme, cuda_macros=macro_template(scheme), warps=WARPS,
+    ctx = dict(spec=spec, L=L, R=R, residual=scheme.residual_tokens is not None, scheme=scheme, cuda_macros=macro_template(scheme), warps=WARPS,
                depths=DEPTHS)
     cu = env.get_template(f"cuda/{spec.op}.cu.j2").render(**ctx)
     py = env.get_template(f"cuda/{spec.op}.py.j2").render(**ctx)

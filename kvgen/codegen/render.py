@@ -85,7 +85,7 @@ def render_sources(spec: KernelSpec, scheme: Scheme, registry: Registry | None =
     if spec.backend == "cuda":
         from kvgen.codegen import cuda
 
-        return cuda.render(spec, scheme, L, env, header(spec, registry), template_hash(registry))
+        return cuda.render(spec, scheme, L, R, env, header(spec, registry), template_hash(registry))
     body = env.get_template(f"triton/{spec.op}.j2").render(
         spec=spec, L=L, R=R, residual=scheme.residual_tokens is not None,
         residual_pages=scheme.residual_pages(spec.page_size), scheme=scheme)
