@@ -70,6 +70,8 @@ import threading
 import time
 from pathlib import Path
 
+from kvgen.atomic import write_atomic
+
 CONCURRENCY = (1, 16, 64, 256)
 MODEL = "llama-3-8b-random"
 TINY = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -123,8 +125,17 @@ class StandinRunner:
         return self.table.index_select(0, torch.tensor([input_ids[r] for r in sample_rows]))
 
 
-# -- the client process -------------------------------------------------------------------------------------------
-async def _client_run(url: str, reqs: list, clients: int) -> dict:
+# -- the client processes ------------------------------------------------------------------------------------------
+CLIENTS_PER_PROCESS = 64
+"""Streaming clients one load-generator process drives at most: one Python process parsing the SSE streams of
+256 clients became the bottleneck (the served path then measured the load generator, not the server)."""
+
+
+async def _client_run(url: str, reqs: list, clients: int, start_at: float) -> dict:
+    """Run ``reqs`` with ``clients`` workers from ``start_at`` (``time.monotonic``, one clock for every process).
+
+    Returns ``{"t0", "t1", "stats": [[ttft_s, tpot_s or None, tokens], ...]}``.
+    """
     import httpx
 
     queue = list(reversed(reqs))
@@ -160,16 +171,16 @@ async def _client_run(url: str, reqs: list, clients: int) -> dict:
     # server's delayed ACK (~40 ms on Linux), which would be counted as the server's time to first token.
     transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
     async with httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(600.0)) as http:
-        t = time.perf_counter()
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        t0 = time.monotonic()
         await asyncio.gather(*(worker(http) for _ in range(clients)))
-        s = time.perf_counter() - t
-    return summary(len(stats), s, sum(x[2] for x in stats), [x[0] for x in stats],
-                   [x[1] for x in stats if x[1] is not None])
+        t1 = time.monotonic()
+    return {"t0": t0, "t1": t1, "stats": stats}
 
 
 def client_main(args: argparse.Namespace) -> int:
     reqs = json.loads(Path(args.workload).read_text())
-    print(json.dumps(asyncio.run(_client_run(args.url, reqs, int(args.concurrency)))))
+    print(json.dumps(asyncio.run(_client_run(args.url, reqs, int(args.concurrency), float(args.start_at)))))
     return 0
 
 
@@ -279,18 +290,40 @@ class Served:
 
 
 def drive(url: str, reqs: list, clients: int) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(reqs, f)
-    cmd = [sys.executable, "-m", "benchmarks.serve_load", "--client", "--url", url, "--workload", f.name,
-           "--concurrency", str(clients)]
+    """``reqs`` through the server from ``ceil(clients / CLIENTS_PER_PROCESS)`` client processes (outside this
+    process: the load generator must not share the server's GIL); one summary over all of them.
+
+    The processes split the clients and, round-robin, the requests; they start together at one
+    ``time.monotonic`` instant, and the run lasts from the first start to the last finish.
+    """
+    procs = max(1, -(-clients // CLIENTS_PER_PROCESS))
+    start_at = time.monotonic() + 2.0 + 0.2 * procs  # after every process imported httpx and connected nothing yet
+    running, files = [], []
     try:
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600,
-                             cwd=Path(__file__).resolve().parents[1])
-    except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"client failed: {e.stderr[-2000:]}") from None
+        for i in range(procs):
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump(reqs[i::procs], f)
+            files.append(f.name)
+            cmd = [sys.executable, "-m", "benchmarks.serve_load", "--client", "--url", url, "--workload", f.name,
+                   "--concurrency", str(clients // procs + (i < clients % procs)), "--start-at", repr(start_at)]
+            running.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                            cwd=Path(__file__).resolve().parents[1]))
+        results = []
+        for p in running:
+            out, err = p.communicate(timeout=3600)
+            if p.returncode:
+                raise RuntimeError(f"client failed: {err[-2000:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
-        Path(f.name).unlink(missing_ok=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        for p in running:
+            if p.poll() is None:
+                p.kill()
+        for name in files:
+            Path(name).unlink(missing_ok=True)
+    stats = [x for r in results for x in r["stats"]]
+    s = max(r["t1"] for r in results) - min(r["t0"] for r in results)
+    return summary(len(stats), s, sum(x[2] for x in stats), [x[0] for x in stats],
+                   [x[1] for x in stats if x[1] is not None])
 
 
 def measure(served: Served, reqs: list, warm: list, clients: int, repeat: int) -> tuple[dict, dict]:
@@ -337,6 +370,7 @@ def main(argv=None) -> int:
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
+    ap.add_argument("--start-at", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.client:
         return client_main(args)
@@ -371,9 +405,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.replace(out)
+        write_atomic(out, json.dumps(doc, indent=1))
 
     for kv in kvs:
         spec = EngineSpec(bench_engine, dict(kv=kv, cpu=cpu, standin=args.standin, step_ms=args.step_ms,
