@@ -1,6 +1,14 @@
 """The engine process's channel to its parent: pickled messages in length-prefixed frames over a socket pair.
 
 A frame is 8 bytes of little-endian length, then ``pickle.dumps(message)``.
+Each frame is unpickled on its own (:class:`FrameReader`): one that cannot
+be (a class the reading process cannot import) becomes a :class:`BadFrame`
+and the frames after it still arrive. What may hold objects of the user's
+classes -- a command's arguments, a reply's result -- travels as pickled
+bytes inside its frame (:func:`command_frame`, :func:`load_payload`), so the
+side that cannot read it answers that one command or call with an error
+instead of losing the channel. Errors cross as :func:`portable_error` makes them.
+
 The parent reads and writes through asyncio (:class:`ParentProtocol`; the
 transport buffers writes, so the event loop never blocks on a child busy
 in a step); the child uses blocking calls between its steps
@@ -16,22 +24,57 @@ already holds them.
 from __future__ import annotations
 
 import asyncio
+import io
 import pickle
 import select
 import socket
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 from kvgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvgen.errors import KvgenError
 
 HEADER = 8
 BUFFER_BYTES = 4 << 20
 """Socket buffers asked for (the kernel may cap them): a step's outputs fit without the child waiting on the parent."""
 
 
+class EngineProcessError(KvgenError):
+    """The engine process could not start or exited, or something it sent cannot be read here (or the reverse)."""
+
+
+class BadFrame:
+    """A frame that could not be unpickled (in place of its message); ``error`` says why."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def frame(message: Any) -> bytes:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    data = dumps(message)
     return len(data).to_bytes(HEADER, "little") + data
+
+
+def command_frame(token: int | None, name: str, args: tuple) -> bytes:
+    """The frame of a command: ``(token, name, pickled args)`` (raises the pickling error of ``args``)."""
+    return frame((token, name, dumps(args)))
+
+
+def load_payload(data: bytes, what: str) -> Any:
+    """Unpickle ``data`` (``what`` it is, for the error); EngineProcessError when this process cannot."""
+    try:
+        return pickle.loads(data)
+    except Exception as e:  # noqa: BLE001 -- most likely a class from a module this process cannot import
+        raise EngineProcessError(f"{what} cannot be unpickled in this process ({type(e).__qualname__}: {e}); only "
+                                 f"objects of modules both the server and the engine process import can cross "
+                                 f"(e.g. module-level functions of an importable module)") from None
 
 
 def socket_pair() -> tuple[socket.socket, socket.socket]:
@@ -47,7 +90,7 @@ def socket_pair() -> tuple[socket.socket, socket.socket]:
 
 
 class FrameReader:
-    """Bytes in, whole messages out."""
+    """Bytes in, whole messages out (a :class:`BadFrame` for each that cannot be unpickled)."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
@@ -62,7 +105,10 @@ class FrameReader:
             n = int.from_bytes(buf[pos:pos + HEADER], "little")
             if end - pos - HEADER < n:
                 break
-            out.append(pickle.loads(buf[pos + HEADER:pos + HEADER + n]))
+            try:
+                out.append(pickle.loads(buf[pos + HEADER:pos + HEADER + n]))
+            except Exception as e:  # noqa: BLE001 -- that frame only: the next one starts after it all the same
+                out.append(BadFrame(e))
             pos += HEADER + n
         if pos:
             del buf[:pos]
@@ -109,7 +155,12 @@ class ChildChannel:
 
 
 class ParentProtocol(asyncio.Protocol):
-    """The parent's end on its event loop: each whole message goes to ``on_message``; end of file to ``on_lost``."""
+    """The parent's end on its event loop: each whole message goes to ``on_message``; end of file to ``on_lost``.
+
+    An exception from ``on_message`` is printed and the next message
+    handled: raised out of ``data_received`` asyncio would close the
+    transport, losing a live engine process.
+    """
 
     def __init__(self, reader: FrameReader, on_message: Callable[[Any], None], on_lost: Callable[[], None]) -> None:
         self.reader = reader
@@ -118,7 +169,10 @@ class ParentProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         for message in self.reader.feed(data):
-            self.on_message(message)
+            try:
+                self.on_message(message)
+            except Exception:  # noqa: BLE001 -- a bug in handling one message must not cut the channel
+                traceback.print_exc()
 
     def eof_received(self) -> bool:
         return False  # close the transport (connection_lost follows)
@@ -127,13 +181,37 @@ class ParentProtocol(asyncio.Protocol):
         self.on_lost()
 
 
+CROSSING_MODULES = frozenset({"builtins", "copyreg", "_codecs"})
+"""Besides ``kvgen`` and its modules, what an error sent to the server may reference (builtin exceptions' pickles)."""
+
+
+class _CrossingUnpickler(pickle.Unpickler):
+    """Unpickles only classes of builtins and kvgen's own modules: what the server process surely imports."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in CROSSING_MODULES or module == "kvgen" or module.startswith("kvgen."):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a builtin or kvgen class")
+
+
 def portable_error(error: BaseException) -> BaseException:
-    """``error`` if it survives pickling, else a RuntimeError that names it (sent to the parent)."""
+    """``error`` as it is sent to the other process: itself when that can surely unpickle it, else a stand-in.
+
+    Itself: an error whose pickle references only builtin and kvgen
+    classes (its type, and anything in its arguments and attributes). Any
+    other -- a class of the user's module, of a generated
+    ``kvgen_generated_*`` package, of torch -- might not be importable on
+    the other side (it would arrive as a ModuleNotFoundError): it is
+    replaced by an EngineProcessError (a KvgenError: a user's mistake) when
+    it was a KvgenError, else by a RuntimeError (a bug), with the message
+    ``"QualName: message"``.
+    """
     try:
-        pickle.loads(pickle.dumps(error))
+        _CrossingUnpickler(io.BytesIO(dumps(error))).load()
         return error
     except Exception:  # noqa: BLE001 -- any exception type may refuse to be pickled
-        return RuntimeError(f"{type(error).__name__}: {error}")
+        message = f"{type(error).__qualname__}: {error}"
+        return EngineProcessError(message) if isinstance(error, KvgenError) else RuntimeError(message)
 
 
 def encode_output(out: RequestOutput) -> tuple:

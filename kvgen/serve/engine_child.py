@@ -18,9 +18,11 @@ forked child cannot use). :func:`child_main`:
 4. closes the engine (stopping tp ranks), sends ``("stopped",
    engine_summary)`` and exits at once (1 after a failure).
 
-Messages in: ``(token, name, args)`` with ``name`` one of :data:`COMMANDS`
-(the EngineLoop method it runs); a command with a token is answered
-``("reply", token, ok, result or exception)``. Out, besides those: per
+Messages in: ``(token, name, pickled args)`` with ``name`` one of
+:data:`COMMANDS` (the EngineLoop method it runs); a command with a token is
+answered ``("reply", token, ok, pickled result or exception)``. Arguments
+this process cannot unpickle (a function of a module it cannot import) are
+that command's error, answered like any other; the loop goes on. Out, besides those: per
 step ``("step", [(encoded output, finished), ...], snapshot, stats)`` and
 on a failing step ``("failed", exception, request ids)``.
 """
@@ -35,7 +37,7 @@ import threading
 import traceback
 from typing import Any
 
-from .channel import ChildChannel, encode_output, portable_error
+from .channel import BadFrame, ChildChannel, dumps, encode_output, load_payload, portable_error
 from .engine_loop import EngineLoop, engine_info, prepare_engine
 from .stats import engine_summary
 
@@ -59,21 +61,29 @@ class _ChildPort:
             self.parent_gone = True
             loop.stop()  # nobody is listening: abort everything and exit
             return
-        for token, name, args in messages:
+        for message in messages:
+            if isinstance(message, BadFrame):  # cannot happen with the parent's frames; no token to answer
+                print(f"kvgen serve: the engine process dropped an unreadable command ({message.error!r})",
+                      file=sys.stderr, flush=True)
+                continue
+            token, name, payload = message
             try:
                 if name not in COMMANDS:
                     raise ValueError(f"unknown engine command {name!r}")
+                args = load_payload(payload, f"the {name!r} command's arguments")
                 result, ok = getattr(loop, name)(*args), True
             except BaseException as e:  # noqa: BLE001 -- answered to the caller, the loop goes on
-                result, ok = portable_error(e), False
+                result, ok = e, False
             if token is not None:
                 self.reply(token, ok, result)
 
     def reply(self, token: int, ok: bool, result: Any) -> None:
+        """Answer command ``token``: its result, or (``ok`` False) its error as :func:`portable_error` makes it."""
         try:
-            self.send(("reply", token, ok, result))
+            payload = dumps(result if ok else portable_error(result))
         except Exception as e:  # noqa: BLE001 -- a result that cannot be pickled is the caller's error
-            self.send(("reply", token, False, portable_error(e)))
+            ok, payload = False, dumps(portable_error(e))
+        self.send(("reply", token, ok, payload))
 
     def emit(self, items: list[tuple[Any, Any, bool]], snapshot: bool, stats: dict[str, Any] | None) -> None:
         self.send(("step", [(encode_output(out), finished) for _, out, finished in items], snapshot, stats))

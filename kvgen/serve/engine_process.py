@@ -47,13 +47,13 @@ import importlib
 import itertools
 import multiprocessing
 import multiprocessing.connection
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgen.errors import KvgenError
-
-from .channel import FrameReader, ParentProtocol, decode_output, frame, socket_pair
+from .channel import (BadFrame, EngineProcessError, FrameReader, ParentProtocol, command_frame, decode_output,
+                      load_payload, socket_pair)
 from .engine_child import child_main
 from .stream import Stream
 from .worker import WorkerBase, hold_interpreter
@@ -61,10 +61,6 @@ from .worker import WorkerBase, hold_interpreter
 STOP_TIMEOUT_S = 30.0
 EXIT_TIMEOUT_S = 15.0
 """After its ``stopped`` message, how long the engine process may take to exit (closing tp ranks) before a kill."""
-
-
-class EngineProcessError(KvgenError):
-    """The engine process could not start, or exited."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +101,7 @@ class ProcessWorker(WorkerBase):
         self._summary: dict[str, int] | None = None
         self._gone = False  # the engine process exited (or its socket closed)
         self._stopping = False
+        self._reaping: asyncio.Future | None = None
         self._held = False
         self._launch()
 
@@ -141,7 +138,13 @@ class ProcessWorker(WorkerBase):
             if sock in ready:
                 data = sock.recv(1 << 20)
                 messages = self._reader.feed(data) if data else []
-                for kind, value in messages:
+                for message in messages:
+                    if isinstance(message, BadFrame):
+                        raise EngineProcessError(
+                            f"the engine process's first message (the engine's tokenizer, or its error) cannot be "
+                            f"unpickled in the server process ({type(message.error).__qualname__}: "
+                            f"{message.error}); serve with --engine-in-process")
+                    kind, value = message
                     if kind == "ready":
                         return value
                     if kind == "error":
@@ -172,12 +175,12 @@ class ProcessWorker(WorkerBase):
             self._kill()
             return None
         if not self._gone:
-            self._send((None, "stop", ()))
+            self._send(None, "stop", ())
             try:
                 await asyncio.wait_for(asyncio.shield(self._stopped), timeout)
             except asyncio.TimeoutError:
                 pass
-        await asyncio.get_running_loop().run_in_executor(None, self._reap)
+        await self._start_reaping()
         self.loop.remove_reader(self._proc.sentinel)
         self._transport.close()
         if self._held:
@@ -193,7 +196,7 @@ class ProcessWorker(WorkerBase):
         if not self.draining:
             self.draining = True
             if self.loop is not None:
-                self.loop.call_soon_threadsafe(self._send, (None, "drain", (timeout,)))
+                self.loop.call_soon_threadsafe(self._send, None, "drain", (timeout,))
 
     @property
     def alive(self) -> bool:
@@ -213,7 +216,7 @@ class ProcessWorker(WorkerBase):
         for rid in request_ids:
             self._routes.pop(rid, None)
         if self.alive:
-            self._send((None, "abort", (request_ids,)))
+            self._send(None, "abort", (request_ids,))
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(engine, *args)`` in the engine process between two steps (``fn`` module-level; all picklable)."""
@@ -229,7 +232,7 @@ class ProcessWorker(WorkerBase):
         if not self.alive:
             raise self._not_running()
         token = next(self._tokens)
-        data = frame((token, name, args))  # before registering: a pickling error is the caller's
+        data = command_frame(token, name, args)  # before registering: a pickling error is the caller's
         fut = self.loop.create_future()
         self._replies[token] = fut
         try:
@@ -238,12 +241,16 @@ class ProcessWorker(WorkerBase):
         finally:
             self._replies.pop(token, None)
 
-    def _send(self, message: Any) -> None:
+    def _send(self, token: int | None, name: str, args: tuple) -> None:
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(frame(message))
+            self._transport.write(command_frame(token, name, args))
 
     # -- messages from the engine process (event loop) -------------------------------------------
-    def _on_message(self, message: tuple) -> None:
+    def _on_message(self, message: tuple | BadFrame) -> None:
+        if isinstance(message, BadFrame):  # the engine process sends only builtin and kvgen types outside payloads
+            print(f"kvgen serve: dropped an unreadable message from the engine process ({message.error!r})",
+                  file=sys.stderr, flush=True)
+            return
         kind = message[0]
         if kind == "step":
             _, items, snapshot, stats = message
@@ -259,9 +266,13 @@ class ProcessWorker(WorkerBase):
             if self.metrics is not None:
                 self.metrics.apply(stats)
         elif kind == "reply":
-            _, token, ok, value = message
+            _, token, ok, payload = message
             fut = self._replies.pop(token, None)
             if fut is not None and not fut.done():
+                try:
+                    value = load_payload(payload, "the engine process's reply")
+                except EngineProcessError as e:  # that call's error: the channel and the engine are fine
+                    ok, value = False, e
                 if ok:
                     fut.set_result(value)
                 else:
@@ -290,11 +301,13 @@ class ProcessWorker(WorkerBase):
         self._gone = True
         if self._stopped is not None and not self._stopped.done():
             self._stopped.set_result(None)
+        if not self._stopping and self._error is None:
+            code = self._proc.exitcode  # polled (before the reaper waits on it): known unless its exit is under way
+            self._error = EngineProcessError("the engine process exited " + (
+                f"with code {code}" if code is not None else "(its end of the socket closed)"))
+        self._start_reaping()
         if self._stopping:
             return
-        self._proc.join(1.0)  # it closed every file as it exited: the exit code follows at once
-        if self._error is None:
-            self._error = EngineProcessError(f"the engine process exited with code {self._proc.exitcode}")
         for fut in self._replies.values():
             if not fut.done():
                 fut.set_exception(self._not_running())
@@ -309,6 +322,12 @@ class ProcessWorker(WorkerBase):
                 route[0].fail(error)
 
     # -- ending the process ---------------------------------------------------------------------
+    def _start_reaping(self) -> asyncio.Future:
+        """:meth:`_reap` in an executor (once; the event loop never waits on the process), its future."""
+        if self._reaping is None:
+            self._reaping = self.loop.run_in_executor(None, self._reap)
+        return self._reaping
+
     def _reap(self) -> None:
         """Wait for the engine process to exit (killed after :data:`EXIT_TIMEOUT_S`); drop the exit hook."""
         proc = self._proc

@@ -94,6 +94,35 @@ def engine_all_free(engine) -> bool:
     return all_free(engine.cache)
 
 
+FOREIGN = "kvgen_generated_serve_test"
+"""A module made only in the engine process (as a generated package is): the server's process cannot import it."""
+
+
+def foreign_class(base: type) -> type:
+    """A subclass of ``base`` in the module :data:`FOREIGN`, created in (and importable from) this process only."""
+    import sys
+
+    module = sys.modules.setdefault(FOREIGN, types.ModuleType(FOREIGN))
+    name = f"Foreign{base.__name__}"
+    cls = getattr(module, name, None)
+    if cls is None:
+        cls = type(name, (base,), {"__module__": FOREIGN, "__qualname__": name})
+        setattr(module, name, cls)
+    return cls
+
+
+def foreign_result(engine):
+    """Run on the engine: an object of a class the server process cannot unpickle."""
+    return foreign_class(object)()
+
+
+def foreign_error(engine, user: bool):
+    """Run on the engine: raise an error of a class the server process cannot import (a KvgenError when ``user``)."""
+    from kvgen.errors import KvgenError
+
+    raise foreign_class(KvgenError if user else ValueError)("out of pages; free a sequence")
+
+
 class ServerThread:
     """``kvgen serve``'s app on 127.0.0.1 (a free port) in a thread of this process; a context manager.
 

@@ -5,7 +5,9 @@ A killed engine process ends each open stream with an OpenAI error event
 process exits when the server's end of the socket closes, and when the
 server process is killed; a failing build raises the engine's own error in
 the server; a spec that cannot be pickled is refused before any process
-starts. (Outputs, disconnects, drains and metrics are tested on both
+starts. What one side cannot unpickle (a function the engine process cannot
+import, a result or error of a class the server cannot) fails only that
+call: the engine and the channel go on. (Outputs, disconnects, drains and metrics are tested on both
 worker kinds in test_api, test_load and test_stories.)
 """
 
@@ -15,19 +17,23 @@ import asyncio
 import json
 import os
 import signal
+import pickle
 import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from kvgen.errors import KvgenError  # noqa: E402
+from kvgen.serve.channel import BadFrame, FrameReader, frame, portable_error  # noqa: E402
 from kvgen.serve.engine_process import EngineProcessError, EngineSpec, ProcessWorker  # noqa: E402
 
-from .helpers import MODEL, ServerThread, table_spec  # noqa: E402
+from .helpers import MODEL, ServerThread, foreign_class, foreign_error, foreign_result, table_spec  # noqa: E402
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,13 +81,38 @@ def _num_requests(engine):
     return engine.num_unfinished_requests()
 
 
+SERVER_ONLY = "kvgen_serve_test_server_only"
+
+
+def _server_only_function():
+    """A function of a module that exists in this process only (the engine process cannot import it)."""
+    module = types.ModuleType(SERVER_ONLY)
+    exec("def fn(engine):\n    return 0\n", module.__dict__)
+    sys.modules[SERVER_ONLY] = module
+    return module.fn
+
+
 def test_calls_and_the_engine_process_exiting_when_the_servers_end_of_the_socket_closes():
+    async def call(w, *args):
+        return await asyncio.wait_for(w.call(*args), 30)
+
     async def go(w):
         await w.start()
         try:
             with pytest.raises(Exception, match="pickle"):  # a lambda cannot reach the engine process
                 await w.call(lambda engine: None)
-            assert await w.call(_num_requests) == 0
+            # what one side cannot unpickle is that call's error; the engine, its loop and the channel go on
+            with pytest.raises(EngineProcessError, match="'call' command's arguments cannot be unpickled"):
+                await call(w, _server_only_function())
+            with pytest.raises(EngineProcessError, match="reply cannot be unpickled"):
+                await call(w, foreign_result)
+            with pytest.raises(EngineProcessError, match="^ForeignKvgenError: out of pages"):
+                await call(w, foreign_error, True)
+            with pytest.raises(RuntimeError, match="^ForeignValueError: out of pages") as e:
+                await call(w, foreign_error, False)
+            assert not isinstance(e.value, KvgenError)  # a bug stays a bug
+            assert await call(w, _num_requests) == 0
+            assert w.alive
             w._transport.close()  # what the kernel does when the server's process dies
             await asyncio.get_running_loop().run_in_executor(None, w._proc.join, 20)
             assert w._proc.exitcode == 0  # it noticed, aborted what it held and exited normally
@@ -89,7 +120,37 @@ def test_calls_and_the_engine_process_exiting_when_the_servers_end_of_the_socket
         finally:
             await w.stop()
 
-    asyncio.run(go(ProcessWorker(table_spec(), max_pending=4)))
+    try:
+        asyncio.run(go(ProcessWorker(table_spec(), max_pending=4)))
+    finally:
+        sys.modules.pop(SERVER_ONLY, None)
+
+
+def test_a_frame_that_cannot_be_unpickled_leaves_the_frames_around_it():
+    cls = foreign_class(object)
+    data = frame(("a", 1)) + frame(cls()) + frame(("b", 2))
+    del sys.modules[cls.__module__]  # as in a process that never had the class's module
+    reader = FrameReader()
+    out = reader.feed(data[:5]) + reader.feed(data[5:])
+    assert out[0] == ("a", 1) and isinstance(out[1], BadFrame) and out[2] == ("b", 2)
+    assert reader.feed(frame("c")) == ["c"]
+
+
+def test_portable_errors_are_builtin_or_kvgen_types_else_a_stand_in_naming_the_type():
+    from kvgen.engine.errors import EngineError
+
+    for error in (ValueError("x"), EngineError("bad model"), EngineProcessError("gone")):
+        assert portable_error(error) is error
+    user = portable_error(foreign_class(KvgenError)("out of pages"))
+    assert type(user) is EngineProcessError and str(user) == "ForeignKvgenError: out of pages"
+    bug = portable_error(foreign_class(ValueError)("oops"))
+    assert type(bug) is RuntimeError and str(bug) == "ForeignValueError: oops"
+    wrapped = portable_error(ValueError(foreign_class(object)()))  # a builtin type holding a foreign object
+    assert type(wrapped) is RuntimeError and wrapped.args[0].startswith("ValueError: ")
+    unpicklable = portable_error(ValueError(lambda: None))
+    assert type(unpicklable) is RuntimeError
+    for error in (user, bug, wrapped, unpicklable):
+        assert type(pickle.loads(pickle.dumps(error))) is type(error)
 
 
 def test_the_engine_process_exits_when_the_server_process_is_killed(tmp_path):
