@@ -19,9 +19,10 @@ needs to route it; the process's port uses the request id).
 Draining (SIGTERM): after :meth:`EngineLoop.drain` requests still
 unfinished at the deadline are aborted; each gets its full output as a
 snapshot (finish reason ``abort``), of which the stream keeps only what it
-had not been sent. A failing step aborts every request, hands the error to
-the port for each (``Port.fail``) and ends the loop (``error`` is set).
-:meth:`EngineLoop.stop` ends it after aborting what is left.
+had not been sent. :meth:`EngineLoop.stop` ends the loop after aborting
+what is left the same way (so every open stream ends). A failing step
+aborts every request, hands the error to the port for each
+(``Port.fail``) and ends the loop (``error`` is set).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class EngineLoop:
             self.deadline = time.monotonic() + timeout
 
     def stop(self) -> None:
-        """End :meth:`run` before the next step, aborting what is left."""
+        """End :meth:`run` before the next step, aborting what is left (each request's last output says so)."""
         self.stopping = True
 
     # -- the loop ------------------------------------------------------------------------------
@@ -148,7 +149,7 @@ class EngineLoop:
             while True:
                 port.run_commands(self)
                 if self.stopping:
-                    self.abort(list(self.sinks))
+                    self._abort_all()
                     return
                 if self.deadline is not None and time.monotonic() >= self.deadline and self.sinks:
                     self._abort_all()

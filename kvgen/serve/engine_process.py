@@ -169,7 +169,14 @@ class ProcessWorker(WorkerBase):
         self._held = True
 
     async def stop(self, timeout: float = STOP_TIMEOUT_S) -> dict[str, int] | None:
-        """Stop the engine process (it aborts what is left) and wait for it; its summary (None if it had died)."""
+        """Stop the engine process and wait for it (off the event loop); its summary (None if it had died).
+
+        The engine aborts what is left, each open stream getting its last
+        output (finish reason ``abort``). An engine process that has not
+        stopped after ``timeout`` seconds (stuck in a step or a call) is
+        killed; then its open streams get ApiError 503 and calls still
+        waiting get 503.
+        """
         self._stopping = True
         if self._transport is None:  # never started: nothing ran on it
             self._kill()
@@ -179,8 +186,10 @@ class ProcessWorker(WorkerBase):
             try:
                 await asyncio.wait_for(asyncio.shield(self._stopped), timeout)
             except asyncio.TimeoutError:
-                pass
+                self._proc.kill()  # no grace left to give it
         await self._start_reaping()
+        self._child_gone()  # (if its end of file is not read yet) the replies still awaited will not come
+        self._end_streams()
         self.loop.remove_reader(self._proc.sentinel)
         self._transport.close()
         if self._held:
@@ -306,12 +315,11 @@ class ProcessWorker(WorkerBase):
             self._error = EngineProcessError("the engine process exited " + (
                 f"with code {code}" if code is not None else "(its end of the socket closed)"))
         self._start_reaping()
-        if self._stopping:
-            return
         for fut in self._replies.values():
             if not fut.done():
                 fut.set_exception(self._not_running())
-        self._fail_streams(self._error, list(self._routes))
+        if not self._stopping:  # (stopping: stop() ends the streams left)
+            self._fail_streams(self._error, list(self._routes))
 
     def _fail_streams(self, error: BaseException, request_ids: list[str]) -> None:
         failed: set[int] = set()

@@ -30,7 +30,7 @@ class Stream:
     in by one event-loop callback per step for all streams.
     """
 
-    __slots__ = ("request_ids", "finished", "closed", "_latest", "_pushed", "_error", "_waiter")
+    __slots__ = ("request_ids", "finished", "closed", "_latest", "_pushed", "_ended", "_error", "_waiter")
 
     def __init__(self, request_ids: list[str]) -> None:
         self.request_ids = request_ids
@@ -40,12 +40,18 @@ class Stream:
         self._latest: dict[int, list] = {}
         # prompt index -> {completion index: [tokens, characters] pushed so far} (to turn a snapshot into a delta)
         self._pushed: dict[int, dict[int, list[int]]] = {}
+        self._ended: set[int] = set()  # prompt indices whose last output was pushed
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
 
     @property
     def done(self) -> bool:
         return len(self.finished) == len(self.request_ids)
+
+    @property
+    def ended(self) -> bool:
+        """Every prompt's last output was pushed, or the stream failed: nothing more will arrive."""
+        return self._error is not None or len(self._ended) == len(self.request_ids)
 
     # event loop: called by the worker's per-step callback
     def push(self, index: int, out: Any, finished: bool, snapshot: bool = False) -> None:
@@ -60,6 +66,8 @@ class Stream:
             else:
                 n[0] += len(c.token_ids)
                 n[1] += len(c.text)
+        if finished:
+            self._ended.add(index)
         pending = self._latest.get(index)
         if pending is None:
             self._latest[index] = [out, finished, None]
@@ -69,6 +77,7 @@ class Stream:
         self._wake()
 
     def fail(self, error: BaseException) -> None:
+        """End the stream with ``error``: the reader gets it as it is if an ApiError, else as an engine failure (500)."""
         self._error = error
         self._wake()
 
@@ -86,7 +95,8 @@ class Stream:
         """A list of ``(prompt_index, RequestOutput)``: per prompt that changed, its deltas merged into one.
 
         Waits until there is one; None once every prompt finished or after
-        :meth:`cancel`. An engine failure is ApiError 500. (A plain coroutine,
+        :meth:`cancel`. An engine failure is ApiError 500, an ApiError given to
+        :meth:`fail` is raised as it is. (A plain coroutine,
         not an async generator: a streaming handler calls it once per engine
         step, so each call must cost little.)
         """
@@ -95,6 +105,8 @@ class Stream:
                 return None
             if self._error is not None:
                 e = self._error
+                if isinstance(e, ApiError):
+                    raise e
                 raise ApiError(500, f"the engine failed: {type(e).__name__}: {e}", type="internal_error")
             if self._latest:
                 break

@@ -96,7 +96,7 @@ class WorkerBase:
         self.metrics = metrics
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._streams: set[int] = set()  # live streams: ids of Stream objects
+        self._streams: dict[int, Stream] = {}  # live streams by id (submitted, not closed yet)
         self._pending = 0  # engine requests submitted and not yet closed
         self._ids = itertools.count()
 
@@ -123,7 +123,7 @@ class WorkerBase:
         base = f"r{next(self._ids)}"
         stream = Stream([f"{base}-{i}" for i in range(len(prompts))])
         self._pending += len(prompts)
-        self._streams.add(id(stream))
+        self._streams[id(stream)] = stream
         try:
             await self._add(stream, prompts, params, arrival)
         except BaseException:
@@ -133,9 +133,8 @@ class WorkerBase:
 
     def close(self, stream: Stream) -> None:
         """The handler is done with ``stream``: abort what is unfinished (client gone, error) and free its slots."""
-        if id(stream) not in self._streams:
+        if self._streams.pop(id(stream), None) is None:
             return
-        self._streams.discard(id(stream))
         self._pending -= len(stream.request_ids)
         unfinished = [r for r in stream.request_ids if r not in stream.finished]
         if unfinished:
@@ -143,6 +142,18 @@ class WorkerBase:
 
     def _not_running(self) -> ApiError:
         return ApiError(503, "the engine is not running", type="service_unavailable", headers={"Retry-After": "5"})
+
+    def _end_streams(self) -> None:
+        """At the end of ``stop``: fail each open stream still waiting for outputs (none will come) with 503.
+
+        A stopping engine gives every request its last output (finish reason
+        ``abort``); this ends the streams of an engine that did not (it
+        failed, hung past the stop timeout, or its process was killed).
+        """
+        error = ApiError(503, "the server stopped before this request finished", type="service_unavailable")
+        for stream in self._streams.values():
+            if not stream.ended:
+                stream.fail(error)
 
     async def _add(self, stream: Stream, prompts: Sequence[list[int]], params: Any, arrival: float) -> None:
         raise NotImplementedError
@@ -212,10 +223,18 @@ class EngineWorker(WorkerBase):
         self._thread.start()
 
     async def stop(self, timeout: float = 30.0) -> dict[str, int]:
-        """Abort whatever is left, stop the thread and wait for it (at most ``timeout`` s); what the engine holds."""
+        """Abort whatever is left, stop the thread and wait for it (at most ``timeout`` s); what the engine holds.
+
+        Each open stream gets its last output (finish reason ``abort``), or
+        ApiError 503 if the thread did not stop in time; calls still waiting
+        get 503. The wait runs in an executor, not on the event loop (which
+        meanwhile hands those last outputs to their streams).
+        """
         self._port.put(EngineLoop.stop)
         if self._thread is not None:
-            self._thread.join(timeout)
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        self._thread_ended()  # after the thread's own callbacks (queued before it ended): only what is left
+        self._end_streams()
         if self._held:
             self._held = False
             hold_interpreter(False)

@@ -94,6 +94,11 @@ def engine_all_free(engine) -> bool:
     return all_free(engine.cache)
 
 
+def engine_sleep(engine, seconds: float) -> None:
+    """Run on the engine: hold it ``seconds`` (as a step or call that hangs would)."""
+    time.sleep(seconds)
+
+
 FOREIGN = "kvgen_generated_serve_test"
 """A module made only in the engine process (as a generated package is): the server's process cannot import it."""
 
