@@ -171,7 +171,12 @@ class _ThreadPort:
         self.wake = threading.Event()
 
     def put(self, command: Callable[[EngineLoop], None]) -> None:
-        """Queue ``command(loop)`` (safe from any thread and from a signal handler)."""
+        """Queue ``command(loop)``; safe from any thread, not from a signal handler.
+
+        (``wake.set()`` takes the Event's lock, which is not reentrant: a
+        handler that interrupted a ``put`` on its own thread would wait for
+        itself. See :meth:`EngineWorker.begin_drain`.)
+        """
         self.commands.put(command)
         self.wake.set()
 
@@ -243,11 +248,18 @@ class EngineWorker(WorkerBase):
     def begin_drain(self, timeout: float) -> None:
         """Refuse new requests from now on; abort the unfinished ones after ``timeout`` seconds.
 
-        Safe to call from a signal handler (it sets a field and queues a command).
+        Safe to call from a signal handler (uvicorn's runs on the event
+        loop's thread): it sets a field and schedules the command's ``put``
+        with ``call_soon_threadsafe``, taking no lock the interrupted code
+        may hold (as :meth:`_ThreadPort.put` would: submit and close take it).
         """
         if not self.draining:
             self.draining = True
-            self._port.put(lambda loop: loop.drain(timeout))
+            command = lambda loop: loop.drain(timeout)  # noqa: E731
+            if self.loop is None:  # not started: no event loop, no submit to interrupt
+                self._port.put(command)
+            else:
+                self.loop.call_soon_threadsafe(self._port.put, command)
 
     @property
     def alive(self) -> bool:

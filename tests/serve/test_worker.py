@@ -1,15 +1,18 @@
-"""The workers' life cycle, both kinds: stop ends what is open.
+"""The workers' life cycle, both kinds: draining from a signal handler, stop ends what is open.
 
-``stop`` with streams still open ends every one of them -- with its last
-output (finish reason ``abort``) from an engine that stops, or ApiError
-503 from one killed past the stop timeout -- and fails the calls still
-waiting for an answer. (Start-up, failures and drains through HTTP are
-tested in test_engine_process, test_api and test_stories.)
+``begin_drain`` (called from uvicorn's signal handler, on the event loop's
+thread) takes no lock the code it interrupted may hold. ``stop`` with
+streams still open ends every one of them -- with its last output (finish
+reason ``abort``) from an engine that stops, or ApiError 503 from one
+killed past the stop timeout -- and fails the calls still waiting for an
+answer. (Start-up, failures and drains through HTTP are tested in
+test_engine_process, test_api and test_stories.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -38,6 +41,25 @@ async def _rest(stream):
     while (batch := await stream.next_batch()) is not None:
         outs += [out for _, out in batch]
     return outs
+
+
+def test_begin_drain_in_a_signal_handler_does_not_wait_for_the_lock_of_the_code_it_interrupted():
+    w = EngineWorker(table_engine(), max_pending=4)
+    w.loop = loop = asyncio.new_event_loop()
+    returned = threading.Event()
+
+    def sigterm_during_a_put():
+        with w._port.wake._cond:  # the Event's lock, as a submit's put holds it when the signal arrives
+            w.begin_drain(1.0)
+        returned.set()
+
+    threading.Thread(target=sigterm_during_a_put, daemon=True).start()
+    try:
+        assert returned.wait(2), "begin_drain deadlocked"
+        loop.run_until_complete(asyncio.sleep(0))  # the event loop queues the drain
+        assert w.draining and w._port.commands.qsize() == 1
+    finally:
+        loop.close()
 
 
 def test_stop_gives_each_open_stream_its_last_output():
