@@ -77,7 +77,7 @@ class Stream:
         self._wake()
 
     def fail(self, error: BaseException) -> None:
-        """End the stream with ``error``: the reader gets it as it is if an ApiError, else as an engine failure (500)."""
+        """End the stream with ``error``: its reader gets it as it is if an ApiError, else as an engine failure."""
         self._error = error
         self._wake()
 
