@@ -110,18 +110,25 @@ class EngineLoop:
                 self.sinks[rid] = rid if tags is None else tags[i]
                 added.append(rid)
         except KvgenError as e:
-            self.abort(added)
+            self._take_back(added)
             raise ApiError(400, str(e)) from None
         except BaseException:
-            self.abort(added)
+            self._take_back(added)
             raise
 
     def abort(self, request_ids: Sequence[str]) -> None:
-        """Abort the requests (their clients went away); their pages are free when this returns."""
+        """Abort the requests (their clients went away: one ``abort`` each); their pages are free when this returns."""
         for rid in request_ids:
             if self.sinks.pop(rid, None) is not None:
                 self.engine.abort_request(rid)
                 self.counter.aborted(rid)
+
+    def _take_back(self, request_ids: Sequence[str]) -> None:
+        """Remove the requests of a refused add (its HTTP request got 400): not aborts, counted nowhere."""
+        for rid in request_ids:
+            if self.sinks.pop(rid, None) is not None:
+                self.engine.abort_request(rid)
+                self.counter.forget(rid)
 
     def call(self, fn: Callable[..., Any], args: Sequence[Any] = ()) -> Any:
         """``fn(engine, *args)``, between two steps."""

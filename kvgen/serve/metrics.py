@@ -18,7 +18,10 @@ loop, and a scrape asks the engine for fresh gauges first. The series:
 - histograms ``kvgen_time_to_first_token_seconds`` (arrival at the server to
   the first output token) and ``kvgen_time_per_output_token_seconds`` (per
   finished completion with at least two tokens);
-- ``kvgen_request_finished_total{reason}`` (stop, length, abort) and
+- ``kvgen_request_finished_total{reason}`` (stop, length, abort): engine
+  requests (one per prompt, whatever its ``n``), aborted ones however they
+  were (client gone, drain, stop) and refused ones not at all; see
+  :func:`kvgen.serve.stats.request_reason`; and
   ``kvgen_http_responses_total{status}``.
 """
 
@@ -61,8 +64,8 @@ class ServeMetrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("kvgen_time_per_output_token_seconds", "Per completion: (finish - first token) / "
                                                                      "(tokens - 1)", buckets=TPOT_BUCKETS, registry=r)
-        self.finished_total = Counter("kvgen_request_finished", "Finished completions by reason", ["reason"],
-                                      registry=r)
+        self.finished_total = Counter("kvgen_request_finished", "Finished requests (one per prompt) by reason",
+                                      ["reason"], registry=r)
         self.http = Counter("kvgen_http_responses", "HTTP responses by status", ["status"], registry=r)
         self._window: deque[tuple[float, float]] = deque()
         self._total_gen = 0

@@ -11,7 +11,7 @@ dict, when anything happened since the last one::
      "prompt": int, "hit": int,     # prompt tokens of requests that got their first token, and of those cached
      "ttft": [s, ...],              # arrival -> first token, per request that got its first token
      "tpot": [s, ...],              # per finished completion with >= 2 tokens: (finish - first) / (tokens - 1)
-     "finished": {reason: count},   # finished completions ("stop", "length", "abort")
+     "finished": {reason: count},   # finished engine requests (one per prompt) by reason: see request_reason
      "gauges": None or {"running", "waiting", "pages_used", "pages_free"}}
 
 Times are the engine's ``time.perf_counter()`` stamps against the arrival
@@ -58,6 +58,18 @@ def engine_summary(engine: Any) -> dict[str, int]:
     pages = kv_pages(engine.cache)
     return {"requests": engine.num_unfinished_requests(), "pages_used": pages["used"], "pages_total": pages["total"],
             "sequences": pages["sequences"]}
+
+
+def request_reason(out: Any) -> str:
+    """What ended a finished engine request, counted once per request whatever its ``n``.
+
+    ``abort`` if any completion was aborted (client gone, drain, stop),
+    else ``length`` if any hit its length limit, else ``stop``.
+    """
+    reasons = {c.finish_reason for c in out.outputs}
+    if "abort" in reasons or None in reasons:
+        return "abort"
+    return "length" if "length" in reasons else "stop"
 
 
 class StepCounter:
@@ -114,9 +126,13 @@ class StepCounter:
         self._tokens += new
 
     def aborted(self, request_id: str) -> None:
-        """A client went away: its request was aborted and is no longer counted."""
+        """A client went away: its request was aborted (one ``abort``) and is no longer counted."""
         self._seen.pop(request_id, None)
         self._finished["abort"] = self._finished.get("abort", 0) + 1
+
+    def forget(self, request_id: str) -> None:
+        """The request was taken back before it ran (its HTTP request was refused): it counts nowhere."""
+        self._seen.pop(request_id, None)
 
     def take(self, engine: Any, gauges: bool = False) -> dict[str, Any] | None:
         """The counts since the last take (see the module), with the gauges when due or asked; None if nothing."""
@@ -142,9 +158,9 @@ class StepCounter:
     def _finish(self, out: Any, tokens: dict[int, int]) -> None:
         m = out.metrics
         fin = self._finished
+        reason = request_reason(out)
+        fin[reason] = fin.get(reason, 0) + 1
         for c in out.outputs:
-            reason = c.finish_reason or "abort"
-            fin[reason] = fin.get(reason, 0) + 1
             n = tokens.get(c.index, 0)
             if c.finish_reason != "abort" and n > 1 and m.first_token_time and m.finished_time:
                 self._tpot.append(max(m.finished_time - m.first_token_time, 0.0) / (n - 1))

@@ -1,0 +1,85 @@
+"""EngineLoop and its metrics' counts on a real engine (the stand-in model), without a server.
+
+A scripted Port runs one command per loop iteration (an engine step follows
+each while requests are unfinished) and keeps what the loop hands over.
+``kvgen_request_finished_total`` counts engine requests (one per prompt,
+whatever its ``n``): an abort is one per request whether its client left,
+a drain's deadline or a stop ended it, and a request taken back because
+its HTTP request was refused (400) counts nowhere.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from kvgen.engine.sampling_params import SamplingParams  # noqa: E402
+from kvgen.serve.engine_loop import EngineLoop, prepare_engine  # noqa: E402
+from kvgen.serve.protocol import ApiError  # noqa: E402
+
+from .helpers import table_engine  # noqa: E402
+
+
+class ScriptPort:
+    """Runs ``script[i](loop)`` at the loop's i-th command turn, then stops it; keeps each hand-over."""
+
+    def __init__(self, script) -> None:
+        self.script = list(script)
+        self.items: list[tuple] = []
+        self.finished: dict[str, int] = {}
+
+    def wait(self, timeout: float) -> None:
+        pass
+
+    def run_commands(self, loop: EngineLoop) -> None:
+        if self.script:
+            self.script.pop(0)(loop)
+        else:
+            loop.stop()
+
+    def emit(self, items, snapshot, stats) -> None:
+        self.items += [(tag, out, finished, snapshot) for tag, out, finished in items]
+        for reason, n in (stats or {}).get("finished", {}).items():
+            self.finished[reason] = self.finished.get(reason, 0) + n
+
+    def fail(self, error, tags) -> None:
+        raise AssertionError(f"the engine failed: {error!r}")
+
+
+def run_script(engine, *script) -> ScriptPort:
+    prepare_engine(engine)
+    port = ScriptPort(script)
+    loop = EngineLoop(engine, port)
+    loop.run()
+    assert loop.error is None and not engine.has_unfinished_requests()
+    return port
+
+
+def add(request_ids, prompts, **params):
+    return lambda loop: loop.add(request_ids, prompts, SamplingParams(temperature=0, **params), time.perf_counter())
+
+
+def refused_add(loop):
+    with pytest.raises(ApiError) as e:  # the second prompt is too long: the first one is taken back
+        add(["c-0", "c-1"], [[1, 2, 3], [5] * 300], max_tokens=4)(loop)
+    assert e.value.status == 400
+
+
+def test_aborts_count_one_per_engine_request_however_they_end_and_refused_requests_not_at_all():
+    engine = table_engine()
+    port = run_script(
+        engine,
+        add(["a-0", "b-0"], [[1, 2, 3], [4, 5, 6]], n=2, max_tokens=100),
+        refused_add,
+        lambda loop: None,  # a step
+        lambda loop: loop.abort(["a-0"]),  # its client went away
+        lambda loop: loop.drain(0.0),  # b-0's two completions are aborted at the deadline
+    )
+    assert port.finished == {"abort": 2}
+    port = run_script(engine, add(["d-0"], [[7, 8]], n=3, max_tokens=100), lambda loop: None)
+    assert port.finished == {"abort": 1}  # stopped with its 3 completions running
+    port = run_script(engine, add(["e-0"], [[7, 8]], n=2, max_tokens=3), *[lambda loop: None] * 5)
+    assert port.finished == {"length": 1}  # its 2 completions ran out of tokens: one request
