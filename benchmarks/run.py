@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from kvgen.atomic import write_atomic
+
 ANCHOR_SHAPES = [  # (B, L, Hq, Hkv, D): the benchmark shapes the project tracks (Llama-3-70B/8B shards)
     (32, 4096, 64, 8, 128),
     (32, 16384, 64, 8, 128),
@@ -134,15 +136,32 @@ def sdpa_decode_ms(case: DecodeCase) -> float:
     return bench(lambda: f(q, case.k_raw, case.v_raw, enable_gqa=True))
 
 
-def kernel_module(op, scheme_name, Hkv, G, D, dtype="bfloat16"):
+def kernel_module(op, scheme_name, Hkv, G, D, dtype="bfloat16", backend="triton"):
+    """The op's generated kernel module for one scheme and shape (``backend`` triton or cuda), and the scheme."""
     from kvgen.codegen.loader import load_kernel
     from kvgen.codegen.spec import KernelSpec
     from kvgen.registry import default_registry
 
     scheme = default_registry().schemes[scheme_name]
     spec = KernelSpec(op=op, scheme=scheme_name, head_dim=D, num_kv_heads=Hkv, gqa_group=G, page_size=PAGE,
-                      compute_dtype=dtype, arch="sm_90")
+                      compute_dtype=dtype, arch="sm_90", backend=backend)
     return load_kernel(spec, scheme), scheme
+
+
+def decode_backends(scheme_name, Hkv, G, D, backend):
+    """The backends ``--backend`` times for a decode kernel: ``auto`` adds cuda where its templates serve the spec
+    (as ``kvgen compile --backend auto`` packages both and the runtime's tuner picks the faster); ``cuda`` is
+    empty for a scheme the CUDA templates do not serve."""
+    if backend == "triton":
+        return ["triton"]
+    from kvgen.codegen import cuda as cuda_backend
+    from kvgen.codegen.spec import KernelSpec
+    from kvgen.registry import default_registry
+
+    spec = KernelSpec(op="decode", scheme=scheme_name, head_dim=D, num_kv_heads=Hkv, gqa_group=G, page_size=PAGE,
+                      compute_dtype="bfloat16", arch="sm_90", backend="cuda")
+    ok = cuda_backend.reason_unsupported(spec, default_registry().schemes[scheme_name]) is None
+    return (["triton"] if backend == "auto" else []) + (["cuda"] if ok else [])
 
 
 def best_config(mod, run, batch, length):
@@ -159,23 +178,37 @@ def best_config(mod, run, batch, length):
     return bench(lambda: run(cfg)), cfg, results
 
 
-def decode_records(schemes, shapes, copy_bw, log):
+def decode_records(schemes, shapes, copy_bw, log, backend="triton"):
+    """Every scheme's decode at every shape, the best tuning candidate of each backend ``--backend`` names
+    (``auto``: the faster of triton and cuda, recorded as ``backend``), against SDPA and kvgen bf16."""
     records = []
     bf16_ms = {}
     for (B, L, Hq, Hkv, D) in shapes:
         sdpa_ms = None
         for name in schemes:
-            mod, scheme = kernel_module("decode", name, Hkv, Hq // Hkv, D)
-            case = DecodeCase(scheme, B, L, Hq, Hkv, D)
-            if sdpa_ms is None:
-                sdpa_ms = sdpa_decode_ms(case)
-            out = torch.empty_like(case.q)
-            sm = 1 / math.sqrt(D)
+            case = None
+            best = None  # (ms, config, backend, run)
+            if not decode_backends(name, Hkv, Hq // Hkv, D, backend):
+                print(f"decode {name}: no {backend} kernel for this scheme; skipped", file=sys.stderr)
+                continue
+            for be in decode_backends(name, Hkv, Hq // Hkv, D, backend):
+                mod, scheme = kernel_module("decode", name, Hkv, Hq // Hkv, D, backend=be)
+                if case is None:
+                    case = DecodeCase(scheme, B, L, Hq, Hkv, D)
+                    out = torch.empty_like(case.q)
+                if sdpa_ms is None:
+                    sdpa_ms = sdpa_decode_ms(case)
+                sm = 1 / math.sqrt(D)
 
-            def run(cfg):
-                mod.launch(case.q, out, case.pools, case.block_tables, case.seq_lens, case.num_compressed, sm, cfg)
+                def run(cfg, mod=mod):
+                    mod.launch(case.q, out, case.pools, case.block_tables, case.seq_lens, case.num_compressed, sm,
+                               cfg)
 
-            ms, cfg, _ = best_config(mod, run, B, L)
+                ms, cfg, _ = best_config(mod, run, B, L)
+                if best is None or ms < best[0]:
+                    best = (ms, cfg, be, run)
+            ms, cfg, be, run = best
+            out.fill_(float("nan"))  # the winner's own output is checked, not a loser's
             run(cfg)
             torch.cuda.synchronize()
             err = rel_l2(out.float(), case.reference())
@@ -184,7 +217,7 @@ def decode_records(schemes, shapes, copy_bw, log):
             rec = dict(op="decode", scheme=name, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, page_size=PAGE, ms=ms,
                        bytes=case.bytes, bw_fraction=case.bytes / (ms * 1e-3) / copy_bw, sdpa_ms=sdpa_ms,
                        ratio_to_sdpa=ms / sdpa_ms, ratio_to_bf16=ms / bf16_ms.get((B, L, Hq, Hkv, D), float("nan")),
-                       rel_error=err, config=cfg)
+                       rel_error=err, config=cfg, backend=be)
             log(rec)
             records.append(rec)
             del case
@@ -342,7 +375,7 @@ def table(records) -> str:
             f"{r['op']:8} {r['scheme']:6} {f('B', '>5')} {f('L', '>7')} {str(r['Hq']) + '/' + str(r['Hkv']):>7} "
             f"{r['D']:>4} {f('ms', '>9.4f')} {f('bw_fraction', '>6.3f')} {f('sdpa_ms', '>8.4f')} "
             f"{f('ratio_to_sdpa', '>7.3f')} {f('ratio_to_bf16', '>7.3f')} {f('rel_error', '>8.4f')}  "
-            f"{r.get('note', '')}{' %.0f TFLOP/s (x%.2f SDPA)' % (r['tflops'], r['ratio_to_sdpa_throughput']) if 'tflops' in r else ''}")
+            f"{r.get('note') or r.get('backend', '')}{' %.0f TFLOP/s (x%.2f SDPA)' % (r['tflops'], r['ratio_to_sdpa_throughput']) if 'tflops' in r else ''}")
     return "\n".join(lines)
 
 
@@ -352,6 +385,9 @@ def main(argv=None) -> int:
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--ops", default="decode,write,prefill,compile")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--backend", choices=("triton", "cuda", "auto"), default="triton",
+                    help="decode kernels to time: triton (default), cuda (schemes it serves), or auto (the faster "
+                         "of both per scheme and shape, as a package compiled with --backend auto tunes)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU (run them on the device machine)", file=sys.stderr)
@@ -376,11 +412,11 @@ def main(argv=None) -> int:
         # Rewritten after every record, so a run cut short still leaves its numbers.
         done.append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k != "config"}, default=str), flush=True)
-        (out_dir / "results.json").write_text(json.dumps(dict(header, records=done), indent=1, default=str) + "\n")
+        write_atomic(out_dir / "results.json", json.dumps(dict(header, records=done), indent=1, default=str) + "\n")
 
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s on {gpu}", flush=True)
     ops = args.ops.split(",")
-    steps = {"decode": lambda: decode_records(schemes, shapes, copy_bw, log),
+    steps = {"decode": lambda: decode_records(schemes, shapes, copy_bw, log, args.backend),
              "write": lambda: write_records(schemes, copy_bw, log),
              "prefill": lambda: prefill_records([s for s in schemes if s in ("bf16", "int8", "int4")], copy_bw, log),
              "compile": lambda: compile_records(log)}
