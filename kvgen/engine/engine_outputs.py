@@ -35,7 +35,8 @@ class OutputsMixin:
         ``max(len(stop)) - 1`` characters (a stop string may still complete
         there and is then cut).
         ``"final"``: nothing until a request finishes, then its full output.
-        :meth:`output_of` always gives the full snapshot.
+        :meth:`output_of` always gives the full snapshot, :meth:`delta_of`
+        what is new since the last delta.
         """
         return self._output_kind
 
@@ -67,15 +68,22 @@ class OutputsMixin:
             if kind == "cumulative":
                 outs.append(self.output_of(req, text=self.stream_text))
             elif kind == "delta":
-                outs.append(self._delta_of(req))
+                outs.append(self.delta_of(req))
             elif req.finished:
                 outs.append(self.output_of(req))
             if req.finished:
                 self.requests.pop(rid, None)
         return outs
 
-    def _delta_of(self, req: Request) -> RequestOutput:
-        """What is new in ``req`` since its last delta output (see :attr:`output_kind`)."""
+    def delta_of(self, req: Request) -> RequestOutput:
+        """What is new in ``req`` since its last delta output (see :attr:`output_kind`), and marks it sent.
+
+        The first call gives everything so far. After :meth:`abort_request`
+        (take ``req`` from ``requests`` first: the abort removes it) it is
+        exactly the rest that the delta outputs have not carried -- tokens
+        of the step in flight, text held back -- with finish reason ``abort``:
+        a server that streamed the deltas ends the request with it.
+        """
         comps = []
         holdback = max((len(s) for s in req.params.stop), default=1) - 1 if req.params.stop else 0
         for seq in (req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=_by_index)):

@@ -23,7 +23,7 @@ Messages in: ``(token, name, pickled args)`` with ``name`` one of
 answered ``("reply", token, ok, pickled result or exception)``. Arguments
 this process cannot unpickle (a function of a module it cannot import) are
 that command's error, answered like any other; the loop goes on. Out, besides those: per
-step ``("step", [(encoded output, finished), ...], snapshot, stats)`` and
+step ``("step", [(encoded delta output, finished), ...], stats)`` and
 on a failing step ``("failed", exception, request ids)``.
 """
 
@@ -85,8 +85,8 @@ class _ChildPort:
             ok, payload = False, dumps(portable_error(e))
         self.send(("reply", token, ok, payload))
 
-    def emit(self, items: list[tuple[Any, Any, bool]], snapshot: bool, stats: dict[str, Any] | None) -> None:
-        self.send(("step", [(encode_output(out), finished) for _, out, finished in items], snapshot, stats))
+    def emit(self, items: list[tuple[Any, Any, bool]], stats: dict[str, Any] | None) -> None:
+        self.send(("step", [(encode_output(out), finished) for _, out, finished in items], stats))
 
     def fail(self, error: BaseException, tags: list[Any]) -> None:
         self.send(("failed", portable_error(error), tags))

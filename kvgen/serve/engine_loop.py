@@ -17,10 +17,10 @@ process. Each output goes out with its request's *tag* (what the port
 needs to route it; the process's port uses the request id).
 
 Draining (SIGTERM): after :meth:`EngineLoop.drain` requests still
-unfinished at the deadline are aborted; each gets its full output as a
-snapshot (finish reason ``abort``), of which the stream keeps only what it
-had not been sent. :meth:`EngineLoop.stop` ends the loop after aborting
-what is left the same way (so every open stream ends). A failing step
+unfinished at the deadline are aborted; each gets its last delta (what it
+had not been sent, finish reason ``abort``: ``engine.delta_of``).
+:meth:`EngineLoop.stop` ends the loop after aborting what is left the same
+way (so every open stream ends). A failing step
 aborts every request, hands the error to the port for each
 (``Port.fail``) and ends the loop (``error`` is set).
 """
@@ -75,8 +75,8 @@ class Port(Protocol):
     def run_commands(self, loop: "EngineLoop") -> None:
         """Run the commands that arrived (each calls a method of ``loop``), without blocking."""
 
-    def emit(self, items: list[tuple[Any, Any, bool]], snapshot: bool, stats: dict[str, Any] | None) -> None:
-        """Hand over ``(tag, output, finished)`` per output (``snapshot``: full outputs) and the metrics' counts."""
+    def emit(self, items: list[tuple[Any, Any, bool]], stats: dict[str, Any] | None) -> None:
+        """Hand over ``(tag, delta output, finished)`` per output and the metrics' counts."""
 
     def fail(self, error: BaseException, tags: list[Any]) -> None:
         """The engine failed with ``error``: end the requests of ``tags``."""
@@ -175,14 +175,15 @@ class EngineLoop:
             self._fail_all(e)
 
     def _abort_all(self) -> None:
-        """Abort every request; each gets its full output (finish reason ``abort``) as a snapshot."""
+        """Abort every request; each gets its last delta (the rest it was not sent, finish reason ``abort``)."""
+        eng = self.engine
         outs = []
         for rid in list(self.sinks):
-            req = self.engine.requests.get(rid)
-            self.engine.abort_request(rid)
+            req = eng.requests.get(rid)
+            eng.abort_request(rid)
             if req is not None:
-                outs.append(self.engine.output_of(req))
-        self._hand_over(outs, force_finished=True, snapshot=True)
+                outs.append(eng.delta_of(req))
+        self._hand_over(outs, force_finished=True)
 
     def _fail_all(self, error: BaseException) -> None:
         tags = []
@@ -195,7 +196,7 @@ class EngineLoop:
         self.sinks.clear()
         self.port.fail(error, tags)
 
-    def _hand_over(self, outs: Sequence[Any], force_finished: bool = False, snapshot: bool = False) -> None:
+    def _hand_over(self, outs: Sequence[Any], force_finished: bool = False) -> None:
         items = []
         sinks = self.sinks
         for out in outs:
@@ -207,7 +208,7 @@ class EngineLoop:
                 del sinks[out.request_id]
             items.append((tag, out, finished))
         if outs:
-            self.counter.count(outs, snapshot)
+            self.counter.count(outs)
         stats = self.counter.take(self.engine)
         if items or stats is not None:
-            self.port.emit(items, snapshot, stats)
+            self.port.emit(items, stats)

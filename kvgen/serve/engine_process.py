@@ -262,7 +262,7 @@ class ProcessWorker(WorkerBase):
             return
         kind = message[0]
         if kind == "step":
-            _, items, snapshot, stats = message
+            _, items, stats = message
             routes = self._routes
             for wire, finished in items:
                 route = routes.get(wire[0])
@@ -271,7 +271,7 @@ class ProcessWorker(WorkerBase):
                 if finished:
                     del routes[wire[0]]
                 stream, index, prompt = route
-                stream.push(index, decode_output(wire, prompt), finished, snapshot)
+                stream.push(index, decode_output(wire, prompt), finished)
             if self.metrics is not None:
                 self.metrics.apply(stats)
         elif kind == "reply":

@@ -75,9 +75,8 @@ def request_reason(out: Any) -> str:
 class StepCounter:
     """Counts the engine's outputs step by step where the engine runs; :meth:`take` hands the counts over.
 
-    O(outputs) per step with no locks. Outputs are engine deltas, or with
-    ``snapshot`` full outputs (a drain's aborts), of which only the tokens
-    not counted yet count.
+    O(outputs) per step with no locks. Outputs are engine deltas (an
+    abort's too: see :meth:`kvgen.serve.engine_loop.EngineLoop.drain`).
     """
 
     def __init__(self) -> None:
@@ -94,7 +93,7 @@ class StepCounter:
         self._tpot: list[float] = []
         self._finished: dict[str, int] = {}
 
-    def count(self, outs: list[Any], snapshot: bool = False) -> None:
+    def count(self, outs: list[Any]) -> None:
         """Count one step's outputs."""
         new = 0
         seen_all = self._seen
@@ -106,15 +105,9 @@ class StepCounter:
             per = seen[1]
             before = seen[0]
             for c in out.outputs:
-                had = per.get(c.index, 0)
                 n = len(c.token_ids)
-                if snapshot:
-                    n = max(n, had)
-                    per[c.index] = n
-                    seen[0] += n - had
-                else:
-                    per[c.index] = had + n
-                    seen[0] += n
+                per[c.index] = per.get(c.index, 0) + n
+                seen[0] += n
             if before == 0 and seen[0]:
                 self._first_token(out)
             new += seen[0] - before

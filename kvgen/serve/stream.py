@@ -9,7 +9,6 @@ loop, which pushes them here; a handler reads them with
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from typing import Any
 
 from .protocol import ApiError
@@ -30,7 +29,7 @@ class Stream:
     in by one event-loop callback per step for all streams.
     """
 
-    __slots__ = ("request_ids", "finished", "closed", "_latest", "_pushed", "_ended", "_error", "_waiter")
+    __slots__ = ("request_ids", "finished", "closed", "_latest", "_ended", "_error", "_waiter")
 
     def __init__(self, request_ids: list[str]) -> None:
         self.request_ids = request_ids
@@ -38,8 +37,6 @@ class Stream:
         self.closed = False  # the reader gave up (its client went away): next_batch() returns None
         # prompt index -> [pending merged output, finished, {completion index: text pieces}]
         self._latest: dict[int, list] = {}
-        # prompt index -> {completion index: [tokens, characters] pushed so far} (to turn a snapshot into a delta)
-        self._pushed: dict[int, dict[int, list[int]]] = {}
         self._ended: set[int] = set()  # prompt indices whose last output was pushed
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
@@ -54,18 +51,8 @@ class Stream:
         return self._error is not None or len(self._ended) == len(self.request_ids)
 
     # event loop: called by the worker's per-step callback
-    def push(self, index: int, out: Any, finished: bool, snapshot: bool = False) -> None:
-        """Merge ``out`` (a delta; with ``snapshot``, a full output, of which only the unpushed rest counts)."""
-        pushed = self._pushed.setdefault(index, {})
-        if snapshot:
-            out = _rest_of(out, pushed)
-        for c in out.outputs:
-            n = pushed.get(c.index)
-            if n is None:
-                pushed[c.index] = [len(c.token_ids), len(c.text)]
-            else:
-                n[0] += len(c.token_ids)
-                n[1] += len(c.text)
+    def push(self, index: int, out: Any, finished: bool) -> None:
+        """Merge the delta ``out`` of prompt ``index`` (``finished``: its last) into its pending output."""
         if finished:
             self._ended.add(index)
         pending = self._latest.get(index)
@@ -171,12 +158,3 @@ def _merge(into: Any, new: Any, pieces: dict[int, list[str]] | None) -> dict[int
     into.finished = new.finished
     return pieces
 
-
-def _rest_of(out: Any, pushed: dict[int, list[int]]) -> Any:
-    """Snapshot ``out`` cut to what was not pushed yet (``pushed``: completion index -> [tokens, characters])."""
-    comps = []
-    for c in out.outputs:
-        tokens, chars = pushed.get(c.index, (0, 0))
-        comps.append(replace(c, text=c.text[chars:], token_ids=list(c.token_ids[tokens:]),
-                             logprobs=None if c.logprobs is None else list(c.logprobs[tokens:])))
-    return replace(out, outputs=comps)

@@ -192,8 +192,8 @@ class _ThreadPort:
                 return
             command(loop)
 
-    def emit(self, items: list[tuple[Any, Any, bool]], snapshot: bool, stats: dict[str, Any] | None) -> None:
-        self.worker.loop.call_soon_threadsafe(self.worker._on_step, items, snapshot, stats)
+    def emit(self, items: list[tuple[Any, Any, bool]], stats: dict[str, Any] | None) -> None:
+        self.worker.loop.call_soon_threadsafe(self.worker._on_step, items, stats)
 
     def fail(self, error: BaseException, tags: list[Any]) -> None:
         if tags:
@@ -325,10 +325,10 @@ class EngineWorker(WorkerBase):
             if not fut.done():
                 fut.set_exception(self._not_running())
 
-    def _on_step(self, items: list[tuple[Any, Any, bool]], snapshot: bool, stats: dict[str, Any] | None) -> None:
+    def _on_step(self, items: list[tuple[Any, Any, bool]], stats: dict[str, Any] | None) -> None:
         """On the event loop: one step's outputs to their streams, its counts to the metrics."""
         for (stream, index), out, finished in items:
-            stream.push(index, out, finished, snapshot)
+            stream.push(index, out, finished)
         if self.metrics is not None:
             self.metrics.apply(stats)
 

@@ -116,6 +116,22 @@ def test_delta_with_stop_string_streams_only_the_cut_text(tok, script):
     assert "".join(o.outputs[0].text for o in outs) == full[:full.index(stop)]
 
 
+def test_an_aborted_requests_delta_is_the_rest_its_deltas_did_not_carry(tok, script):
+    eng, cache = engine_for(tok, script, "delta")
+    params = SamplingParams(temperature=0, max_tokens=len(script), ignore_eos=True, logprobs=1, stop=["never"])
+    rid = eng.add_request(None, [1], params)
+    req = eng.requests[rid]
+    sent = [o.outputs[0] for _ in range(6) for o in eng.step()]
+    eng.abort_request(rid)
+    rest = eng.delta_of(req).outputs[0]
+    ids = req.seqs[0].output_ids
+    assert rest.finish_reason == "abort" and rest.text  # a stop string's length - 1 characters were held back
+    assert [t for c in sent + [rest] for t in c.token_ids] == ids == script[:len(ids)]
+    assert sum(len(c.logprobs) for c in sent + [rest]) == len(ids)
+    assert "".join(c.text for c in sent + [rest]) == tok.decode(ids)
+    assert eng.delta_of(req).outputs[0].text == "" and all_free(cache)
+
+
 def test_final_kind_outputs_only_finished_requests_and_bad_kinds_are_refused(tok, script):
     eng, _ = engine_for(tok, script, "final")
     outs = run(eng, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))

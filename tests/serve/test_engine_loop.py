@@ -5,7 +5,9 @@ each while requests are unfinished) and keeps what the loop hands over.
 ``kvgen_request_finished_total`` counts engine requests (one per prompt,
 whatever its ``n``): an abort is one per request whether its client left,
 a drain's deadline or a stop ended it, and a request taken back because
-its HTTP request was refused (400) counts nowhere.
+its HTTP request was refused (400) counts nowhere. A drain hands over
+deltas like every step: each request's last output is only what it had
+not been sent.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ class ScriptPort:
         else:
             loop.stop()
 
-    def emit(self, items, snapshot, stats) -> None:
-        self.items += [(tag, out, finished, snapshot) for tag, out, finished in items]
+    def emit(self, items, stats) -> None:
+        self.items += items
         for reason, n in (stats or {}).get("finished", {}).items():
             self.finished[reason] = self.finished.get(reason, 0) + n
 
@@ -62,6 +64,10 @@ def add(request_ids, prompts, **params):
     return lambda loop: loop.add(request_ids, prompts, SamplingParams(temperature=0, **params), time.perf_counter())
 
 
+def step(loop):
+    pass
+
+
 def refused_add(loop):
     with pytest.raises(ApiError) as e:  # the second prompt is too long: the first one is taken back
         add(["c-0", "c-1"], [[1, 2, 3], [5] * 300], max_tokens=4)(loop)
@@ -74,12 +80,26 @@ def test_aborts_count_one_per_engine_request_however_they_end_and_refused_reques
         engine,
         add(["a-0", "b-0"], [[1, 2, 3], [4, 5, 6]], n=2, max_tokens=100),
         refused_add,
-        lambda loop: None,  # a step
+        step,
         lambda loop: loop.abort(["a-0"]),  # its client went away
         lambda loop: loop.drain(0.0),  # b-0's two completions are aborted at the deadline
     )
     assert port.finished == {"abort": 2}
-    port = run_script(engine, add(["d-0"], [[7, 8]], n=3, max_tokens=100), lambda loop: None)
+    port = run_script(engine, add(["d-0"], [[7, 8]], n=3, max_tokens=100), step)
     assert port.finished == {"abort": 1}  # stopped with its 3 completions running
-    port = run_script(engine, add(["e-0"], [[7, 8]], n=2, max_tokens=3), *[lambda loop: None] * 5)
+    port = run_script(engine, add(["e-0"], [[7, 8]], n=2, max_tokens=3), *[step] * 5)
     assert port.finished == {"length": 1}  # its 2 completions ran out of tokens: one request
+
+
+def test_a_drain_hands_over_only_what_each_request_was_not_sent():
+    engine = table_engine()
+    port = run_script(engine, add(["a-0"], [[1, 2, 3]], n=2, max_tokens=100, logprobs=2, stop=["never said"]),
+                      step, step, step, lambda loop: loop.drain(0.0))
+    tag, last, finished = port.items[-1]
+    assert tag == "a-0" and finished and [c.finish_reason for c in last.outputs] == ["abort", "abort"]
+    assert all(c.token_ids == [] and c.text for c in last.outputs)  # the held-back text only: no tokens again
+    for index in (0, 1):
+        got = [c for _, out, _ in port.items for c in out.outputs if c.index == index]
+        tokens = [t for c in got for t in c.token_ids]
+        assert len(tokens) >= 4 and sum(len(c.logprobs) for c in got) == len(tokens)
+        assert "".join(c.text for c in got) == engine.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -4,8 +4,8 @@
   never a copy of a request's whole output); a request's mailbox merges
   them into one pending output per prompt: a handler that fell behind
   reads one output covering several engine steps (one multi-token chunk),
-  the engine never queues a backlog; a drain's abort snapshot adds only
-  what was not pushed yet;
+  the engine never queues a backlog (a drain's or stop's aborts are
+  deltas too: see test_engine_loop);
 - stream chunks are built from per-request templates, and equal the JSON
   the dict form (``Formatter.chunk``) gives, for both endpoints, with and
   without logprobs and usage;
@@ -101,25 +101,6 @@ def test_merged_deltas_keep_the_newest_reasons_and_each_completion_apart():
         assert [(d.index, d.token_ids) for d in choices.update(i, out, out.finished)] == [(1, [10])]
         assert choices.final[0].token_ids == []  # keep=False: a stream keeps counts only
         assert choices.usage()["completion_tokens"] == 6
-
-    asyncio.run(go())
-
-
-def test_an_abort_snapshot_adds_only_what_was_not_pushed():
-    async def go():
-        s = Stream(["r0-0"])
-        s.push(0, output([1, 2], text="w1 "), False)  # the engine held "w2 " back (a stop string may start there)
-        reader = s.batches()
-        choices = Choices(1, [2])
-        for i, out in await reader.__anext__():
-            choices.update(i, out, out.finished)
-        full = output([1, 2])
-        full.outputs[0].finish_reason = "abort"
-        s.push(0, full, True, snapshot=True)
-        [(i, out)] = await reader.__anext__()
-        [d] = choices.update(i, out, out.finished)
-        assert (d.text, d.token_ids, d.finish_reason) == ("w2 ", [], "abort")
-        assert choices.final[0].text == "w1 w2 " and choices.final[0].token_ids == [1, 2]
 
     asyncio.run(go())
 
