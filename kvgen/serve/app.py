@@ -177,10 +177,14 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
         except EngineError as e:
             raise ApiError(400, str(e)) from None
         stream = await state.worker.submit(prompts, params, arrival)
-        choices = Choices(req.n, [len(p) for p in prompts], keep=not req.stream)
-        if req.stream:
-            return SSEResponse(stream, choices, fmt, req.include_usage, state.worker.close)
-        return JSONResponse(await _collect(request, stream, choices, fmt))
+        try:
+            choices = Choices(req.n, [len(p) for p in prompts], keep=not req.stream)
+            if req.stream:
+                return SSEResponse(stream, choices, fmt, req.include_usage, state.worker.close)  # it closes the stream
+        except BaseException:  # no response will close it: abort its requests, free its max_pending slots
+            state.worker.close(stream)
+            raise
+        return JSONResponse(await _collect(request, stream, choices, fmt))  # _collect closes it
 
     async def _collect(request: Request, stream: Stream, choices: Choices, fmt: Formatter) -> dict[str, Any]:
         async def consume() -> None:

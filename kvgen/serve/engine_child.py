@@ -15,8 +15,8 @@ forked child cannot use). :func:`child_main`:
 3. freezes the heap it has (see :func:`kvgen.serve.worker.hold_interpreter`)
    and runs :class:`~.engine_loop.EngineLoop` until a ``stop`` command, the
    parent's end of file, or a failing step;
-4. closes the engine (stopping tp ranks), sends ``("stopped",
-   engine_summary)`` and exits at once (1 after a failure).
+4. closes the engine (stopping tp ranks; an error there is printed), sends
+   ``("stopped", engine_summary)`` and exits at once (1 after a failure).
 
 Messages in: ``(token, name, pickled args)`` with ``name`` one of
 :data:`COMMANDS` (the EngineLoop method it runs); a command with a token is
@@ -37,7 +37,7 @@ import threading
 import traceback
 from typing import Any
 
-from .channel import BadFrame, ChildChannel, dumps, encode_output, load_payload, portable_error
+from .channel import BadFrame, ChildChannel, EngineProcessError, dumps, encode_output, load_payload, portable_error
 from .engine_loop import EngineLoop, engine_info, prepare_engine
 from .stats import engine_summary
 
@@ -116,29 +116,42 @@ def child_main(spec: Any, sock: Any) -> None:
     try:
         channel.send(("ready", info))
     except Exception as e:  # noqa: BLE001 -- pickling the tokenizer failed
-        from .cli import ServeError
-
-        channel.send(("error", ServeError(f"the engine's tokenizer cannot be sent to the server process "
-                                          f"({type(e).__name__}: {e}); serve with --engine-in-process")))
-        engine.close()
+        channel.send(("error", EngineProcessError(
+            f"the engine's tokenizer cannot be sent to the server process ({type(e).__qualname__}: {e}); run the "
+            f"engine in the server's process instead (kvgen serve --engine-in-process; build_app(engine) with "
+            f"the engine rather than an EngineSpec)")))
+        _close(engine)
         sys.exit(1)
     gc.collect()
     gc.freeze()  # the model, torch and the engine: out of the collector's full collections (GIL pauses)
     port = _ChildPort(channel)
     loop = EngineLoop(engine, port)
     loop.run()
-    try:
-        summary = engine_summary(engine)
-    except Exception:  # noqa: BLE001 -- a broken engine after a failed step
-        summary = None
-    engine.close()
-    port.send(("stopped", summary))
+    finish(engine, port)
     channel.close()
     # Nothing is left to clean up: skip the interpreter's teardown of torch and the model (a second or more; the
     # parent waits for this exit) and the complaints of bindings whose objects gc.freeze kept alive.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1 if loop.error is not None else 0)
+
+
+def finish(engine: Any, port: _ChildPort) -> None:
+    """After the loop: close the engine and send ``("stopped", summary)`` -- sent whatever a broken engine raises."""
+    try:
+        summary = engine_summary(engine)
+    except Exception:  # noqa: BLE001 -- a broken engine after a failed step
+        summary = None
+    _close(engine)
+    port.send(("stopped", summary))
+
+
+def _close(engine: Any) -> None:
+    """``engine.close()``; an error is printed (after a failed step its tp ranks may be gone already)."""
+    try:
+        engine.close()
+    except Exception:  # noqa: BLE001 -- the process exits next; the parent must still hear from it
+        traceback.print_exc()
 
 
 def _ignore(sig: int, frame: Any) -> None:

@@ -36,7 +36,8 @@ engine core runs in its own process instead:
   sequences) from the engine process's last message and waits for it to exit.
 
 The construction blocks until the engine is built (or raises its error:
-a KvgenError as it is, so ``kvgen serve`` prints one line).
+a KvgenError as it is, so ``kvgen serve`` prints one line; an
+EngineProcessError after ``EngineSpec.start_timeout``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import itertools
 import multiprocessing
 import multiprocessing.connection
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +61,8 @@ from .stream import Stream
 from .worker import WorkerBase, hold_interpreter
 
 STOP_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 1800.0
+"""How long the engine process may take to build the engine by default (a large model's weights from a slow disk)."""
 EXIT_TIMEOUT_S = 15.0
 """After its ``stopped`` message, how long the engine process may take to exit (closing tp ranks) before a kill."""
 
@@ -73,10 +77,13 @@ class EngineSpec:
     As with any ``spawn`` start, the engine process imports the main
     script again (as ``__mp_main__``): a script that serves an EngineSpec
     keeps its top-level code under ``if __name__ == "__main__":``.
+    ``start_timeout``: seconds the engine process may take to start and
+    build the engine; then it is killed and EngineProcessError raised.
     """
 
     factory: Callable[..., Any] | str
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+    start_timeout: float = START_TIMEOUT_S
 
     def build(self) -> Any:
         factory = self.factory
@@ -131,10 +138,15 @@ class ProcessWorker(WorkerBase):
             raise
 
     def _wait_ready(self) -> Any:
-        """Read until ``ready`` (the EngineInfo); the engine's own error if building it failed."""
+        """Read until ``ready`` (the EngineInfo); the engine's own error if building it failed, or timed out."""
         sock, proc = self._sock, self._proc
+        timeout = self.spec.start_timeout
+        deadline = time.monotonic() + timeout
         while True:
-            ready = multiprocessing.connection.wait([sock, proc.sentinel])
+            ready = multiprocessing.connection.wait([sock, proc.sentinel], max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                raise EngineProcessError(f"the engine process did not build the engine within {timeout:g} s "
+                                         f"(EngineSpec.start_timeout); it was stopped")
             if sock in ready:
                 data = sock.recv(1 << 20)
                 messages = self._reader.feed(data) if data else []
@@ -219,7 +231,7 @@ class ProcessWorker(WorkerBase):
     async def _add(self, stream: Stream, prompts: Sequence[list[int]], params: Any, arrival: float) -> None:
         for i, (rid, prompt) in enumerate(zip(stream.request_ids, prompts)):
             self._routes[rid] = (stream, i, prompt)
-        await self._request("add", stream.request_ids, prompts, params, arrival)
+        await self._command("add", stream.request_ids, prompts, params, arrival)
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -227,17 +239,7 @@ class ProcessWorker(WorkerBase):
         if self.alive:
             self._send(None, "abort", (request_ids,))
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(engine, *args)`` in the engine process between two steps (``fn`` module-level; all picklable)."""
-        return await self._request("call", fn, args)
-
-    async def refresh_metrics(self) -> None:
-        """Hand the metrics the engine's counts so far and its gauges as of now."""
-        stats = await self._request("stats")
-        if self.metrics is not None:
-            self.metrics.apply(stats)
-
-    async def _request(self, name: str, *args: Any) -> Any:
+    async def _command(self, name: str, *args: Any) -> Any:
         if not self.alive:
             raise self._not_running()
         token = next(self._tokens)
@@ -289,7 +291,7 @@ class ProcessWorker(WorkerBase):
         elif kind == "failed":
             _, error, request_ids = message
             self._error = error
-            self._fail_streams(error, request_ids)
+            self._fail_routes(error, request_ids)
         elif kind == "stopped":
             self._summary = message[1]
             if self._stopped is not None and not self._stopped.done():
@@ -319,15 +321,12 @@ class ProcessWorker(WorkerBase):
             if not fut.done():
                 fut.set_exception(self._not_running())
         if not self._stopping:  # (stopping: stop() ends the streams left)
-            self._fail_streams(self._error, list(self._routes))
+            self._fail_routes(self._error, list(self._routes))
 
-    def _fail_streams(self, error: BaseException, request_ids: list[str]) -> None:
-        failed: set[int] = set()
-        for rid in request_ids:
-            route = self._routes.pop(rid, None)
-            if route is not None and id(route[0]) not in failed:
-                failed.add(id(route[0]))
-                route[0].fail(error)
+    def _fail_routes(self, error: BaseException, request_ids: list[str]) -> None:
+        """Fail the streams of ``request_ids`` with ``error``; their outputs go nowhere from now on."""
+        routes = [self._routes.pop(rid, None) for rid in request_ids]
+        self._fail_streams([route[0] for route in routes if route is not None], error)
 
     # -- ending the process ---------------------------------------------------------------------
     def _start_reaping(self) -> asyncio.Future:

@@ -34,7 +34,7 @@ import itertools
 import queue
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .engine_loop import EngineInfo, EngineLoop, engine_info, prepare_engine
@@ -86,7 +86,7 @@ class WorkerBase:
     most, running and waiting; beyond it :meth:`submit` raises ApiError
     429. ``metrics``: a :class:`kvgen.serve.metrics.ServeMetrics` (or None),
     given the engine's counts after every step. Subclasses send the
-    commands (``_add``, ``_abort``) and set ``info``.
+    commands (``_add``, ``_abort``, ``_command``) and set ``info``.
     """
 
     info: EngineInfo
@@ -140,8 +140,30 @@ class WorkerBase:
         if unfinished:
             self._abort(unfinished)
 
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(engine, *args)`` where the engine runs, between two steps; its result (or its error).
+
+        For an engine process ``fn`` must be a module-level function of a
+        module that process imports, and the arguments and result picklable.
+        """
+        return await self._command("call", fn, args)
+
+    async def refresh_metrics(self) -> None:
+        """Hand the metrics the engine's counts so far and its gauges as of now."""
+        stats = await self._command("stats")
+        if self.metrics is not None:
+            self.metrics.apply(stats)
+
     def _not_running(self) -> ApiError:
         return ApiError(503, "the engine is not running", type="service_unavailable", headers={"Retry-After": "5"})
+
+    def _fail_streams(self, streams: Iterable[Stream], error: BaseException) -> None:
+        """End each of ``streams`` (once, if listed more than once) with ``error``."""
+        failed: set[int] = set()
+        for stream in streams:
+            if id(stream) not in failed:
+                failed.add(id(stream))
+                stream.fail(error)
 
     def _end_streams(self) -> None:
         """At the end of ``stop``: fail each open stream still waiting for outputs (none will come) with 503.
@@ -151,11 +173,13 @@ class WorkerBase:
         failed, hung past the stop timeout, or its process was killed).
         """
         error = ApiError(503, "the server stopped before this request finished", type="service_unavailable")
-        for stream in self._streams.values():
-            if not stream.ended:
-                stream.fail(error)
+        self._fail_streams([s for s in self._streams.values() if not s.ended], error)
 
     async def _add(self, stream: Stream, prompts: Sequence[list[int]], params: Any, arrival: float) -> None:
+        raise NotImplementedError
+
+    async def _command(self, name: str, *args: Any) -> Any:
+        """``EngineLoop.<name>(*args)`` where the engine runs, between two steps; its result (or its error)."""
         raise NotImplementedError
 
     def _abort(self, request_ids: list[str]) -> None:
@@ -197,7 +221,7 @@ class _ThreadPort:
 
     def fail(self, error: BaseException, tags: list[Any]) -> None:
         if tags:
-            self.worker.loop.call_soon_threadsafe(_fail_streams, [stream for stream, _ in tags], error)
+            self.worker.loop.call_soon_threadsafe(self.worker._fail_streams, [stream for stream, _ in tags], error)
 
 
 class EngineWorker(WorkerBase):
@@ -277,15 +301,8 @@ class EngineWorker(WorkerBase):
     def _abort(self, request_ids: list[str]) -> None:
         self._port.put(lambda loop: loop.abort(request_ids))
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(engine, *args)`` on the engine thread between two steps; returns its result (or raises its error)."""
-        return await self._run(lambda loop: loop.call(fn, args))
-
-    async def refresh_metrics(self) -> None:
-        """Hand the metrics the engine's counts so far and its gauges as of now."""
-        stats = await self._run(EngineLoop.stats)
-        if self.metrics is not None:
-            self.metrics.apply(stats)
+    async def _command(self, name: str, *args: Any) -> Any:
+        return await self._run(lambda loop: getattr(loop, name)(*args))
 
     async def _run(self, command: Callable[[EngineLoop], Any]) -> Any:
         if not self.alive:
@@ -340,8 +357,3 @@ def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> No
         fut.set_exception(error)
     else:
         fut.set_result(result)
-
-
-def _fail_streams(streams: list[Stream], error: BaseException) -> None:
-    for stream in streams:
-        stream.fail(error)

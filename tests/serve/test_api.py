@@ -191,6 +191,18 @@ def test_bad_completion_requests_are_400(server, body, param):
         assert err["param"] is not None and err["param"].startswith(param)
 
 
+def test_a_request_whose_response_cannot_be_built_gives_back_its_slots(server, monkeypatch):
+    import kvgen.serve.app as app
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no response for you")
+
+    pending = server.worker._pending
+    monkeypatch.setattr(app, "Choices", broken)  # raises between submit and the response
+    assert post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 50}).status_code == 500
+    assert server.worker._pending == pending
+
+
 def test_bad_chat_requests_and_unknown_model(server, client):
     assert post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}).status_code == 400
     assert post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard",

@@ -4,8 +4,10 @@ A killed engine process ends each open stream with an OpenAI error event
 (status 500) and makes /health answer 503 and new requests 503; the engine
 process exits when the server's end of the socket closes, and when the
 server process is killed; a failing build raises the engine's own error in
-the server; a spec that cannot be pickled is refused before any process
-starts. What one side cannot unpickle (a function the engine process cannot
+the server, a tokenizer that cannot be sent and a build past the start
+timeout an EngineProcessError; a spec that cannot be pickled is refused
+before any process starts; the engine process reports it stopped even when
+closing a broken engine fails. What one side cannot unpickle (a function the engine process cannot
 import, a result or error of a class the server cannot) fails only that
 call: the engine and the channel go on. (Outputs, disconnects, drains and metrics are tested on both
 worker kinds in test_api, test_load and test_stories.)
@@ -185,6 +187,37 @@ def test_a_failing_build_raises_the_engines_error_in_the_server():
         ProcessWorker(EngineSpec("serve.helpers:broken_engine", {"message": "no model folder at /nowhere"}),
                       max_pending=4)
     assert time.monotonic() - started < 60
+
+
+def test_a_tokenizer_that_cannot_be_sent_is_an_engine_process_error_that_says_what_to_do():
+    with pytest.raises(EngineProcessError, match="tokenizer cannot be sent .*--engine-in-process.*build_app"):
+        ProcessWorker(EngineSpec("serve.light_engines:unsendable_tokenizer_engine"), max_pending=4)
+
+
+def test_an_engine_that_does_not_build_within_the_start_timeout_is_stopped():
+    started = time.monotonic()
+    with pytest.raises(EngineProcessError, match=r"within 1 s \(EngineSpec.start_timeout\)"):
+        ProcessWorker(EngineSpec("serve.light_engines:slow_engine", {"seconds": 60}, start_timeout=1.0),
+                      max_pending=4)
+    assert time.monotonic() - started < 15
+
+
+def test_the_engine_process_says_it_stopped_even_when_closing_a_broken_engine_fails():
+    from kvgen.serve.engine_child import finish
+
+    class Broken:
+        def close(self):
+            raise OSError("the tensor-parallel ranks are gone")
+
+    class Port:
+        sent = []
+
+        def send(self, message):
+            self.sent.append(message)
+
+    port = Port()
+    finish(Broken(), port)  # the error is printed
+    assert port.sent == [("stopped", None)]
 
 
 def test_a_spec_that_cannot_be_pickled_is_refused_before_a_process_starts():
