@@ -28,6 +28,7 @@ worker stops; see :func:`hold_interpreter`).
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import gc
 import itertools
@@ -79,7 +80,7 @@ def hold_interpreter(on: bool) -> None:
                 gc.unfreeze()
 
 
-class WorkerBase:
+class WorkerBase(abc.ABC):
     """The event-loop side both workers share: admission (503, 429), request ids, streams, closing.
 
     ``max_pending``: engine requests (one per prompt) the server holds at
@@ -101,12 +102,14 @@ class WorkerBase:
         self._ids = itertools.count()
 
     @property
+    @abc.abstractmethod
     def alive(self) -> bool:
-        raise NotImplementedError
+        """The engine runs and has not failed."""
 
     @property
+    @abc.abstractmethod
     def error(self) -> BaseException | None:
-        raise NotImplementedError
+        """What the engine failed with, or None."""
 
     async def submit(self, prompts: Sequence[list[int]], params: Any, arrival: float) -> Stream:
         """Queue one engine request per prompt (token ids) with ``params``; their outputs arrive on the Stream.
@@ -175,15 +178,17 @@ class WorkerBase:
         error = ApiError(503, "the server stopped before this request finished", type="service_unavailable")
         self._fail_streams([s for s in self._streams.values() if not s.ended], error)
 
+    @abc.abstractmethod
     async def _add(self, stream: Stream, prompts: Sequence[list[int]], params: Any, arrival: float) -> None:
-        raise NotImplementedError
+        """Add one engine request per prompt of ``stream`` where the engine runs (ApiError 400 if refused)."""
 
+    @abc.abstractmethod
     async def _command(self, name: str, *args: Any) -> Any:
         """``EngineLoop.<name>(*args)`` where the engine runs, between two steps; its result (or its error)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _abort(self, request_ids: list[str]) -> None:
-        raise NotImplementedError
+        """Abort these engine requests where the engine runs (no reply awaited)."""
 
 
 class _ThreadPort:
