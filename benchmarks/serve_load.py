@@ -44,7 +44,9 @@ Records (JSON ``{machine, python, torch, triton, date, command, engine, records}
 ``tpot_p50/p99_ms`` (served: client-side, first streamed token after sending,
 (last - first token) / (tokens - 1); offline: the engine's request times) and,
 for ``served``, ``http_overhead`` = 1 - served tokens/s / offline tokens/s at
-the same C. With ``--repeat R`` each path runs R times (alternating) and the
+the same C; ``failed``: requests that got an HTTP or connection error (counted, not retried; up to three
+``failures`` quoted), ``listen_overflows``: connections the kernel dropped from a full accept queue during the
+run (Linux). Each client process opens its connections before the timed start. With ``--repeat R`` each path runs R times (alternating) and the
 fastest run of each is kept (``runs`` lists all tokens/s); ``tokens_per_s_median``
 and ``http_overhead_median`` are the same from the median run of each path.
 The offline path runs the engine as ``LLM.generate`` does (``output_kind``
@@ -140,6 +142,7 @@ async def _client_run(url: str, reqs: list, clients: int, start_at: float) -> di
 
     queue = list(reversed(reqs))
     stats: list[tuple[float, float | None, int]] = []
+    failures: list[str] = []
 
     async def one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> None:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
@@ -164,18 +167,32 @@ async def _client_run(url: str, reqs: list, clients: int, start_at: float) -> di
     async def worker(http: httpx.AsyncClient) -> None:
         while queue:
             prompt, n = queue.pop()
-            await one(http, prompt, n)
+            try:
+                await one(http, prompt, n)
+            except (httpx.HTTPError, RuntimeError) as e:  # counted and reported, as serving benchmarks do
+                failures.append(f"{type(e).__name__}: {e}"[:200])
+
+    async def connect(http: httpx.AsyncClient) -> None:
+        for attempt in range(3):  # set-up only: a refused or reset connect here is retried, never timed
+            try:
+                (await http.get(url + "/health")).raise_for_status()
+                return
+            except httpx.HTTPError:
+                await asyncio.sleep(0.2 * (attempt + 1))
 
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
     # TCP_NODELAY: httpx writes a request's headers and body separately; with Nagle on, the body waits for the
     # server's delayed ACK (~40 ms on Linux), which would be counted as the server's time to first token.
     transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
     async with httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(600.0)) as http:
+        # Open the connections before the start (all at once, so the pool opens one per client): a burst of
+        # hundreds of connects at the timed start measured the kernel's accept queue, not the server.
+        await asyncio.gather(*(connect(http) for _ in range(clients)))
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         t0 = time.monotonic()
         await asyncio.gather(*(worker(http) for _ in range(clients)))
         t1 = time.monotonic()
-    return {"t0": t0, "t1": t1, "stats": stats}
+    return {"t0": t0, "t1": t1, "stats": stats, "failures": failures}
 
 
 def client_main(args: argparse.Namespace) -> int:
@@ -297,7 +314,8 @@ def drive(url: str, reqs: list, clients: int) -> dict:
     ``time.monotonic`` instant, and the run lasts from the first start to the last finish.
     """
     procs = max(1, -(-clients // CLIENTS_PER_PROCESS))
-    start_at = time.monotonic() + 2.0 + 0.2 * procs  # after every process imported httpx and connected nothing yet
+    start_at = time.monotonic() + 3.0 + 0.3 * procs  # after every process imported httpx and opened its connections
+    overflows = listen_overflows()
     running, files = [], []
     try:
         for i in range(procs):
@@ -321,9 +339,38 @@ def drive(url: str, reqs: list, clients: int) -> dict:
         for name in files:
             Path(name).unlink(missing_ok=True)
     stats = [x for r in results for x in r["stats"]]
+    failures = [x for r in results for x in r["failures"]]
     s = max(r["t1"] for r in results) - min(r["t0"] for r in results)
-    return summary(len(stats), s, sum(x[2] for x in stats), [x[0] for x in stats],
-                   [x[1] for x in stats if x[1] is not None])
+    if failures:
+        log(f"x{clients}: {len(failures)} of {len(reqs)} requests failed, first: {failures[0]}")
+    if not stats:
+        raise RuntimeError(f"every request failed, first: {failures[0]}")
+    rec = summary(len(stats), s, sum(x[2] for x in stats), [x[0] for x in stats],
+                  [x[1] for x in stats if x[1] is not None])
+    rec.update(failed=len(failures), failures=failures[:3])
+    if overflows is not None:
+        rec["listen_overflows"] = listen_overflows() - overflows
+    return rec
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        return int(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def listen_overflows() -> int | None:
+    """The kernel's count of connections dropped because an accept queue was full (Linux; None elsewhere)."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return None
+    for names, values in zip(lines[::2], lines[1::2]):
+        if names.startswith("TcpExt:"):
+            table = dict(zip(names.split()[1:], values.split()[1:]))
+            return int(table.get("ListenOverflows", 0))
+    return None
 
 
 def measure(served: Served, reqs: list, warm: list, clients: int, repeat: int) -> tuple[dict, dict]:
@@ -400,6 +447,7 @@ def main(argv=None) -> int:
                model=("stand-in (sleep %g ms per step, table tokens) on a tiny fp32 KVCache" % args.step_ms
                       if args.standin else "tiny random" if smoke else "Llama-3-8B shape, random weights"),
                engine="server's process (thread)" if args.engine_in_process else "own process",
+               somaxconn=_read_int("/proc/sys/net/core/somaxconn"),
                prompt_tokens=list(prompt), output_tokens=list(output), records=records)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -421,7 +469,7 @@ def main(argv=None) -> int:
                 if smoke:
                     n = 2 * c
                 elif quick:
-                    n = max(2 * c, 8)
+                    n = min(max(4 * c, 8), 1024)
                 else:
                     n = min(max(4 * c, 32), 1024)
                 reqs = workload(n, seed=c, prompt=prompt, output=output, vocab=vocab)
