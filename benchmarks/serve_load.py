@@ -28,7 +28,9 @@ built here and runs on a thread of the server (``kvgen serve
 --engine-in-process``). For each concurrency C a bounded, seeded workload of
 requests (prompt and output lengths uniform, ``ignore_eos``) runs on both
 paths on that same engine, after a warm-up of each path at C (kernel
-tuning, graph capture, connection set-up are paid before anything is timed):
+tuning, graph capture, connection set-up are paid before anything is timed);
+every timed run has its own prompt ids (same lengths), so no run finds
+another's prompts in the prefix cache:
 
 - ``offline``: straight on the engine, where it runs (the server's
   ``call(offline_run, ...)`` runs it between two steps of the idle server),
@@ -85,10 +87,16 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def workload(n: int, seed: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int) -> list:
-    rng = random.Random(seed)
-    return [([rng.randrange(10, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*output))
-            for _ in range(n)]
+def workload(n: int, seed: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, run: int = 0) -> list:
+    """``n`` requests ``(prompt ids, max_tokens)``: lengths from ``seed``, the ids from ``seed`` and ``run``.
+
+    Each timed run draws its own ids (same lengths): a run repeating an earlier run's prompts would find them in
+    the prefix cache and skip their prefill (the first benchmark runs measured exactly that).
+    """
+    sizes = random.Random(seed)
+    lengths = [(sizes.randint(*prompt), sizes.randint(*output)) for _ in range(n)]
+    ids = random.Random(f"{seed}/{run}")
+    return [([ids.randrange(10, vocab) for _ in range(k)], m) for k, m in lengths]
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -133,8 +141,9 @@ CLIENTS_PER_PROCESS = 64
 256 clients became the bottleneck (the served path then measured the load generator, not the server)."""
 
 
-async def _client_run(url: str, reqs: list, clients: int, start_at: float) -> dict:
-    """Run ``reqs`` with ``clients`` workers from ``start_at`` (``time.monotonic``, one clock for every process).
+async def _client_run(url: str, reqs: list, clients: int) -> dict:
+    """Open ``clients`` connections, print ``ready``, read the start instant from stdin (``time.monotonic``, one
+    clock for every process), and run ``reqs`` with ``clients`` workers from then.
 
     Returns ``{"t0", "t1", "stats": [[ttft_s, tpot_s or None, tokens], ...]}``.
     """
@@ -180,24 +189,35 @@ async def _client_run(url: str, reqs: list, clients: int, start_at: float) -> di
             except httpx.HTTPError:
                 await asyncio.sleep(0.2 * (attempt + 1))
 
-    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
-    # TCP_NODELAY: httpx writes a request's headers and body separately; with Nagle on, the body waits for the
-    # server's delayed ACK (~40 ms on Linux), which would be counted as the server's time to first token.
-    transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-    async with httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(600.0)) as http:
-        # Open the connections before the start (all at once, so the pool opens one per client): a burst of
-        # hundreds of connects at the timed start measured the kernel's accept queue, not the server.
-        await asyncio.gather(*(connect(http) for _ in range(clients)))
+    def user() -> httpx.AsyncClient:
+        # One client (one connection) per simulated user, as independent users have: with one shared pool of C
+        # connections httpcore's bookkeeping costs O(C) per request event, and at 64 clients the load generator
+        # itself delayed the first requests by up to 0.5 s (measured as the server's time to first token).
+        # TCP_NODELAY: httpx writes a request's headers and body separately; with Nagle on, the body waits for the
+        # server's delayed ACK (~40 ms on Linux), which would be counted as the server's time to first token.
+        transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+                                             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(600.0))
+
+    users = [user() for _ in range(clients)]
+    try:
+        # Connect before the start: a burst of hundreds of connects at the timed start measured the kernel's
+        # accept queue, not the server.
+        await asyncio.gather(*(connect(http) for http in users))
+        print("ready", flush=True)
+        start_at = float(await asyncio.to_thread(sys.stdin.readline))
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         t0 = time.monotonic()
-        await asyncio.gather(*(worker(http) for _ in range(clients)))
+        await asyncio.gather(*(worker(http) for http in users))
         t1 = time.monotonic()
+    finally:
+        await asyncio.gather(*(http.aclose() for http in users), return_exceptions=True)
     return {"t0": t0, "t1": t1, "stats": stats, "failures": failures}
 
 
 def client_main(args: argparse.Namespace) -> int:
     reqs = json.loads(Path(args.workload).read_text())
-    print(json.dumps(asyncio.run(_client_run(args.url, reqs, int(args.concurrency), float(args.start_at)))))
+    print(json.dumps(asyncio.run(_client_run(args.url, reqs, int(args.concurrency)))))
     return 0
 
 
@@ -310,11 +330,11 @@ def drive(url: str, reqs: list, clients: int) -> dict:
     """``reqs`` through the server from ``ceil(clients / CLIENTS_PER_PROCESS)`` client processes (outside this
     process: the load generator must not share the server's GIL); one summary over all of them.
 
-    The processes split the clients and, round-robin, the requests; they start together at one
-    ``time.monotonic`` instant, and the run lasts from the first start to the last finish.
+    The processes split the clients and, round-robin, the requests; once every one has opened its
+    connections they start together at one ``time.monotonic`` instant, and the run lasts from the first start
+    to the last finish.
     """
     procs = max(1, -(-clients // CLIENTS_PER_PROCESS))
-    start_at = time.monotonic() + 3.0 + 0.3 * procs  # after every process imported httpx and opened its connections
     overflows = listen_overflows()
     running, files = [], []
     try:
@@ -323,9 +343,16 @@ def drive(url: str, reqs: list, clients: int) -> dict:
                 json.dump(reqs[i::procs], f)
             files.append(f.name)
             cmd = [sys.executable, "-m", "benchmarks.serve_load", "--client", "--url", url, "--workload", f.name,
-                   "--concurrency", str(clients // procs + (i < clients % procs)), "--start-at", repr(start_at)]
-            running.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                            cwd=Path(__file__).resolve().parents[1]))
+                   "--concurrency", str(clients // procs + (i < clients % procs))]
+            running.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1]))
+        for p in running:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"client failed to start: {p.communicate(timeout=60)[1][-2000:]}")
+        start_at = time.monotonic() + 0.05
+        for p in running:
+            p.stdin.write(f"{start_at!r}\n")
+            p.stdin.flush()
         results = []
         for p in running:
             out, err = p.communicate(timeout=3600)
@@ -373,14 +400,17 @@ def listen_overflows() -> int | None:
     return None
 
 
-def measure(served: Served, reqs: list, warm: list, clients: int, repeat: int) -> tuple[dict, dict]:
-    """Both paths on ``reqs`` at ``clients``, each warmed up on ``warm`` first; the fastest of ``repeat`` runs."""
+def measure(served: Served, reqs_of, warm: list, clients: int, repeat: int) -> tuple[dict, dict]:
+    """Both paths at ``clients``, each warmed up on ``warm`` first; the fastest of ``repeat`` runs each.
+
+    ``reqs_of(k)``: the workload of the k-th timed run (same lengths, fresh prompt ids: no prefix-cache hits).
+    """
     served.call(offline_run, warm, clients)
+    drive(served.url, warm, clients)
     runs: dict[str, list[dict]] = {"offline": [], "served": []}
-    for _ in range(repeat):
-        runs["offline"].append(served.call(offline_run, reqs, clients))
-        drive(served.url, warm, clients)
-        runs["served"].append(drive(served.url, reqs, clients))
+    for r in range(repeat):
+        runs["offline"].append(served.call(offline_run, reqs_of(2 * r), clients))
+        runs["served"].append(drive(served.url, reqs_of(2 * r + 1), clients))
     best = {k: max(v, key=lambda r: r["tokens_per_s"]) for k, v in runs.items()}
     for k, v in runs.items():
         best[k] = dict(best[k], runs=[round(r["tokens_per_s"], 1) for r in v],
@@ -417,7 +447,6 @@ def main(argv=None) -> int:
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
-    ap.add_argument("--start-at", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.client:
         return client_main(args)
@@ -472,10 +501,12 @@ def main(argv=None) -> int:
                     n = min(max(4 * c, 8), 1024)
                 else:
                     n = min(max(4 * c, 32), 1024)
-                reqs = workload(n, seed=c, prompt=prompt, output=output, vocab=vocab)
+                def reqs_of(run: int, n=n, c=c) -> list:
+                    return workload(n, seed=c, prompt=prompt, output=output, vocab=vocab, run=run)
+
                 warm = workload(min(n, max(c, 4)), seed=10_000 + c, prompt=prompt, output=output, vocab=vocab)
                 try:
-                    base, rec = measure(served, reqs, warm, c, max(1, args.repeat))
+                    base, rec = measure(served, reqs_of, warm, c, max(1, args.repeat))
                 except Exception as e:
                     log(f"{kv} x{c}: run failed: {e}")
                     continue
