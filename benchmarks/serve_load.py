@@ -4,6 +4,7 @@
     python -m benchmarks.serve_load --standin [--step-ms 10]   # CPU proxy of the HTTP overhead (no GPU)
     python -m benchmarks.serve_load --smoke        # CPU, tiny random model, interpreter: checks the script runs
     python -m benchmarks.serve_load --engine-in-process ...    # the engine on a thread of the server instead
+    python -m benchmarks.serve_load --plot a.json [b.json ...] --png out.png   # table and plot of saved results
 
 GPU: a Llama-3-8B-shaped model with random bf16 weights (benchmarks.engine's
 config; no download, no tokenizer: prompts are token ids), one engine per KV
@@ -444,12 +445,17 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-in-process", action="store_true",
                     help="build the engine here and serve it from a thread (kvgen serve --engine-in-process); "
                          "default: the engine in its own process, as kvgen serve runs it")
+    ap.add_argument("--plot", nargs="+", metavar="JSON",
+                    help="no run: print the table of these result files and plot it to --png")
+    ap.add_argument("--png", default="benchmarks/results/serve_load.png", help="where --plot writes (and a run)")
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.client:
         return client_main(args)
+    if args.plot:
+        return plot_main(args.plot, args.png)
     cpu = args.smoke or args.standin
     if cpu:  # the KV cache's kernels run in the interpreter on the CPU (the stand-in launches none per step)
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; the engine process inherits it
@@ -532,6 +538,62 @@ def main(argv=None) -> int:
     save()
     log(f"wrote {out}")
     log(table(records))
+    if records and plot(records, Path(args.png)):
+        log(f"wrote {args.png}")
+    return 0
+
+
+def plot(records: list[dict], path: Path) -> bool:
+    """Tokens/s (offline and served) and the HTTP overhead against clients, one line per KV scheme, as a PNG.
+
+    False (nothing written) without matplotlib (the ``bench`` extra).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    kvs = list(dict.fromkeys(r["kv"] for r in records))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, kv in enumerate(kvs):
+        color = f"C{i}"
+        for kind, style in (("offline", "--"), ("served", "-")):
+            rs = sorted((r for r in records if r["kv"] == kv and r["kind"] == kind), key=lambda r: r["clients"])
+            left.plot([r["clients"] for r in rs], [r["tokens_per_s"] for r in rs], style, marker="o", color=color,
+                      label=f"{kv} {kind}")
+        rs = sorted((r for r in records if r["kv"] == kv and r["kind"] == "served"), key=lambda r: r["clients"])
+        right.plot([r["clients"] for r in rs], [100 * r["http_overhead"] for r in rs], marker="o", color=color,
+                   label=kv)
+    right.axhline(10, color="k", lw=0.8, ls=":", label="goal at 64 clients")
+    for ax, ylabel in ((left, "output tokens / s"), (right, "HTTP overhead, % of offline tokens/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streaming clients")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    left.set_yscale("log")
+    fig.suptitle("kvgen serve vs the same engine offline (best of each path's runs)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_main(files: list[str], png: str) -> int:
+    """``--plot``: the table and the PNG of the records of one or more result files (later files win a tie)."""
+    merged: dict[tuple, dict] = {}
+    for name in files:
+        for r in json.loads(Path(name).read_text())["records"]:
+            merged[(r["kv"], r["clients"], r["kind"])] = r
+    records = list(merged.values())
+    print(table(records))
+    if not plot(records, Path(png)):
+        log("no plot: matplotlib is missing (pip install 'kvgen[bench]')")
+        return 1
+    log(f"wrote {png}")
     return 0
 
 
