@@ -74,6 +74,29 @@ def test_scenarios_cover_every_variant_the_tuner_can_pick(monkeypatch):
     assert len(prefill) == len({json.dumps(c, sort_keys=True) for c in prefill})
 
 
+def test_a_staged_prefill_winner_warms_both_kernels_it_can_launch(monkeypatch, tmp_path):
+    """``staged`` 2 picks per launch between in place and staging: warm-up compiles both, each for real."""
+    monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path / "kvgen"))
+    cache = make_cache("int4", max_tokens=256, num_layers=1)
+    module = cache.kernels["prefill"]
+    assert module.STAGEABLE
+    winner = dict(module.default_config(8, 256, 1024, device="cuda"), staged=2)
+    assert winner in module.candidates(8, 256, 1024)  # the tuner times it
+    _persist(cache, "prefill", "prefill/b8/q256/s1024", winner)
+    todo = [s for s in scenarios(cache) if s.op == "prefill" and s.config.get("block_m") == winner["block_m"]
+            and s.config.get("pages_per_tile") == winner["pages_per_tile"]]
+    assert sorted(s.config["staged"] for s in todo) == [0, 1]
+    staged_launches = []
+    original = module._staging
+
+    def spy(staged, *args):
+        staged_launches.append(original(staged, *args))
+        return staged_launches[-1]
+    monkeypatch.setattr(module, "_staging", spy)
+    report = warm_up(cache, force=True, only=todo)
+    assert report.skipped is None and sorted(staged_launches) == [False, True]
+
+
 def _state(cache):
     bm = cache.block_manager
     free = (bm.num_free_pages(COMPRESSED), bm.num_free_pages(RESIDUAL) if cache.num_residual_pages else None)

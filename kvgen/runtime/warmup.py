@@ -201,7 +201,13 @@ def scenarios(cache: Any) -> list[Scenario]:
                     out.append(Scenario("write", 1, 0, count, why="cache_write of many tokens (its own config)"))
     if "prefill" in cache.kernels:
         for cfg in prefill_configs(cache):
-            out.append(Scenario("prefill", 1, P, P, cfg, why="prefill of a fresh chunk over a cached prefix"))
+            if not cfg.get("staged"):
+                out.append(Scenario("prefill", 1, P, P, cfg, why="prefill of a fresh chunk over a cached prefix"))
+                continue
+            # staged 2 picks per launch between the in-place kernel and staging + the staged kernel: both
+            out.append(Scenario("prefill", 1, P, P, dict(cfg, staged=0), why="prefill in place (of staged 2)"))
+            out.append(Scenario("prefill", 1, P, P, dict(cfg, staged=1),
+                                why="prefill through the staging buffer (the stage and staged kernels)"))
     return out
 
 

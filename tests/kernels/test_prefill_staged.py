@@ -1,0 +1,90 @@
+"""Staged prefill (config ``staged``): the pages a step can see dequantized once into a compute-dtype buffer.
+
+Every quantized scheme (``hz.scheme_matrix``, the ones whose pages are not
+plain compute-dtype pages) runs the same ragged batches through the staged
+launch and the in-place one: both must match the float64 reference within
+the scheme's tolerance and each other to rounding (they attend the same
+compute-dtype values; only the order of the fp32 accumulation can differ).
+Pools and outputs start poisoned (NaN): a staged page that was not written,
+or a page staged from the wrong pool (compressed vs residual) or the wrong
+block-table entry, fails. Cases: page-boundary prefixes and fresh chunks
+(k_new/v_new), keys only from the pages, a sliding window (pages before it
+are not staged), several query blocks per sequence, a sequence with no new
+token, and the per-launch rule (``staged`` 2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import harness as hz
+from .test_prefill_matrix import _boundary_batch, _long_lengths, _one_case, prepare_prefill, small_tiles
+
+QUANTIZED = [p for p in hz.scheme_matrix() if hz.get_scheme(p.values[0]).residual_tokens is not None
+             or p.values[0] not in ("fp32", "fp16", "bf16")]
+
+
+def _module(case):
+    return hz.cache_and_kernel("prefill", case, [1], seed=0)[1]
+
+
+@pytest.mark.parametrize("scheme", QUANTIZED)
+@pytest.mark.parametrize("kv", ["pages", "fresh"])
+def test_staged_equals_in_place_and_reference(scheme, kv):
+    case = _one_case(scheme, head_dim=64, gqa=2, num_kv_heads=2)
+    assert _module(case).STAGEABLE
+    lengths = _long_lengths(case)
+    qlens = [lengths[0], 0, min(2 * case.page_size + 1, lengths[2]), 5]
+    launch, reference_fn = prepare_prefill(case, lengths, qlens, seed=31, fresh=kv == "fresh")
+    ref = reference_fn()
+    cfg = small_tiles(case)
+    staged, in_place = launch(dict(cfg, staged=1)), launch(dict(cfg, staged=0))
+    hz.check(case, staged, ref, f"staged, kv from {kv}")
+    hz.check(case, in_place, ref, f"in place, kv from {kv}")
+    assert hz.rel_l2(staged, in_place) <= 1e-3, "staged and in-place attend different values"
+
+
+@pytest.mark.parametrize("scheme", QUANTIZED)
+def test_staged_fresh_chunks_at_page_boundaries(scheme):
+    case = _one_case(scheme, gqa=4, num_kv_heads=1)
+    lengths, qlens = _boundary_batch(case)
+    launch, reference_fn = prepare_prefill(case, lengths, qlens, seed=37, fresh=True)
+    hz.check(case, launch(dict(small_tiles(case), staged=1)), reference_fn(), "staged fresh chunks at boundaries")
+
+
+@pytest.mark.parametrize("scheme", QUANTIZED)
+@pytest.mark.parametrize("kv", ["pages", "fresh"])
+def test_staged_sliding_window(scheme, kv):
+    """Pages wholly before the window are never staged (they stay NaN in the buffer) and never read."""
+    case = _one_case(scheme, gqa=2, num_kv_heads=1)
+    window = 2 * case.page_size + 3
+    lengths = _long_lengths(case)
+    qlens = [case.page_size + 2, 1, lengths[2], 4]
+    launch, reference_fn = prepare_prefill(case, lengths, qlens, seed=41, window=window, fresh=kv == "fresh")
+    hz.check(case, launch(dict(small_tiles(case), staged=1)), reference_fn(window=window), f"staged window, {kv}")
+
+
+def test_staged_auto_rule_and_bad_value():
+    """``staged`` 2 stages a long chunk and not a decode-like step; other values are refused."""
+    scheme = QUANTIZED[0].values[0]
+    case = _one_case(scheme, gqa=2, num_kv_heads=1)
+    mod = _module(case)
+    q_long = torch.empty(4 * 64, 2, case.head_dim, dtype=case.dtype)
+    q_decode = torch.empty(4, 2, case.head_dim, dtype=case.dtype)
+    assert mod._staging(2, q_long, 4, 8, 32)
+    assert not mod._staging(2, q_decode, 4, 8, 32)
+    assert mod._staging(1, q_decode, 4, 8, 32) and not mod._staging(0, q_long, 4, 8, 32)
+    too_many_pages = mod.STAGE_MAX_BYTES // (case.page_size * case.head_dim) + 1
+    assert not mod._staging(1, q_long, 4, too_many_pages, 32)
+    with pytest.raises(ValueError, match="staged"):
+        mod._staging(3, q_long, 4, 8, 32)
+    launch, reference_fn = prepare_prefill(case, [3 * case.page_size + 1] * 2, [3 * case.page_size + 1] * 2, seed=43)
+    hz.check(case, launch(dict(small_tiles(case), staged=2)), reference_fn(), "staged 2")
+
+
+def test_float_schemes_never_stage():
+    case = _one_case("fp32" if hz.on_cpu() else "bf16", gqa=2, num_kv_heads=1)
+    mod = _module(case)
+    assert not mod.STAGEABLE and not hasattr(mod, "_stage_kernel")
+    assert not mod._staging(1, torch.empty(256, 2, case.head_dim), 2, 4, 16)
