@@ -2,7 +2,7 @@
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
 # writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks] [bench args...]
-# (open-checks: the open issues' short device checks, ~7 minutes; see the block below)
+# (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
 # NCCL test. KVGEN_GPU_TEST_SELECT narrows the tests (pytest arguments, default "tests"); stories260K comes from tests/assets.
@@ -35,19 +35,21 @@ if [ "$what" = tp ]; then
   tail -3 "$OUT/pytest-tp.log"
 fi
 if [ "$what" = open-checks ]; then
-  # The open issues' short device checks, in the order the last closing note gives (about 7 minutes):
-  # issue 17 (host tier after the layer-1 speculation, tensor-op cold ordering and review fixes), issue 16
-  # (the CUDA-backend tests that never finished, each group cut at 70 s so a hang names itself), issue 14
-  # (the engine GPU tests).
-  timeout 200 python3 -m benchmarks.host_tier --parts tier --out "$OUT/host_tier.json" >"$OUT/host_tier.log" 2>&1
-  tail -14 "$OUT/host_tier.log" | cut -c1-300
-  for k in real_size_matches_triton splits_warps_and_depth window_and_softcap; do
-    timeout 70 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
-      tests/test_cuda_backend.py -k "$k" >>"$OUT/pytest-cuda-unfinished.log" 2>&1
-    echo "cuda backend -k $k: exit $? (124: cut at 70 s)"
-  done
-  timeout 120 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
-    tests/engine >"$OUT/pytest-engine-gpu.log" 2>&1; tail -3 "$OUT/pytest-engine-gpu.log"
+  # The open issues' device checks not yet run (about 9 minutes; each cut so that a hang names itself):
+  # issue 16 -- the staged prefill and the CUDA backend on the GPU, prefill over quantized prefixes
+  # (bf16/int8/int4, every candidate, staged included), the first int4 CUDA decode timing; issue 14 -- the
+  # engine GPU tests and the KV-bound throughput (int4 vs bf16 KV) with the staged prefill.
+  timeout 150 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/kernels/test_prefill_staged.py tests/test_cuda_backend.py >"$OUT/pytest-gpu-staged-cuda.log" 2>&1
+  echo "staged prefill + CUDA backend GPU tests: exit $? (124: cut)"; tail -3 "$OUT/pytest-gpu-staged-cuda.log"
+  timeout 120 python3 -m benchmarks.run --ops prefill --schemes bf16,int8,int4 --out "$OUT/prefill" \
+    >"$OUT/prefill.log" 2>&1; echo "prefill bench: exit $?"; grep -E "prefill" "$OUT/prefill.log" | tail -6 | cut -c1-260
+  timeout 120 python3 -m benchmarks.cuda_decode --schemes int4,int8,bf16 --tune --out "$OUT/cuda_decode.json" \
+    >"$OUT/cuda_decode.log" 2>&1; echo "cuda decode: exit $?"; tail -8 "$OUT/cuda_decode.log" | cut -c1-260
+  timeout 90 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/engine >"$OUT/pytest-engine-gpu.log" 2>&1; echo "engine GPU tests: exit $?"; tail -3 "$OUT/pytest-engine-gpu.log"
+  timeout 110 python3 -m benchmarks.engine --parts kvbound --kv bf16,int4 --no-hf --out "$OUT/engine_kvbound.json" \
+    >"$OUT/engine_kvbound.log" 2>&1; echo "engine kvbound: exit $?"; tail -6 "$OUT/engine_kvbound.log" | cut -c1-260
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"
