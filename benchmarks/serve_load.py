@@ -49,9 +49,12 @@ Records (JSON ``{machine, python, torch, triton, date, command, engine, records}
 for ``served``, ``http_overhead`` = 1 - served tokens/s / offline tokens/s at
 the same C; ``failed``: requests that got an HTTP or connection error (counted, not retried; up to three
 ``failures`` quoted), ``listen_overflows``: connections the kernel dropped from a full accept queue during the
-run (Linux). Each client process opens its connections before the timed start. With ``--repeat R`` each path runs R times (alternating) and the
-fastest run of each is kept (``runs`` lists all tokens/s); ``tokens_per_s_median``
-and ``http_overhead_median`` are the same from the median run of each path.
+run (Linux, system-wide). Each client process opens its connections before the timed start.
+With ``--repeat R`` each path runs R times (alternating, the first path of
+each repeat alternating too) and the fastest run of each is kept (``runs``
+lists all tokens/s); ``tokens_per_s_median`` and ``http_overhead_median`` are
+the same from the median run of each path; ``http_overhead_paired`` is the
+median over repeats of each repeat's own overhead.
 The offline path runs the engine as ``LLM.generate`` does (``output_kind``
 ``final``, no running text), the served path as ``kvgen serve`` does (deltas).
 """
@@ -179,16 +182,18 @@ async def _client_run(url: str, reqs: list, clients: int) -> dict:
             prompt, n = queue.pop()
             try:
                 await one(http, prompt, n)
-            except (httpx.HTTPError, RuntimeError) as e:  # counted and reported, as serving benchmarks do
+            except Exception as e:  # noqa: BLE001 -- counted and reported, as serving benchmarks do
                 failures.append(f"{type(e).__name__}: {e}"[:200])
 
     async def connect(http: httpx.AsyncClient) -> None:
         for attempt in range(3):  # set-up only: a refused or reset connect here is retried, never timed
             try:
-                (await http.get(url + "/health")).raise_for_status()
+                (await http.get(url + "/health", timeout=30.0)).raise_for_status()
                 return
-            except httpx.HTTPError:
+            except httpx.HTTPError as e:
+                error = e
                 await asyncio.sleep(0.2 * (attempt + 1))
+        raise RuntimeError(f"could not connect before the start: {type(error).__name__}: {error}")
 
     def user() -> httpx.AsyncClient:
         # One client (one connection) per simulated user, as independent users have: with one shared pool of C
@@ -336,34 +341,43 @@ def drive(url: str, reqs: list, clients: int) -> dict:
     to the last finish.
     """
     procs = max(1, -(-clients // CLIENTS_PER_PROCESS))
-    overflows = listen_overflows()
-    running, files = [], []
+    running, files, errs = [], [], []
     try:
         for i in range(procs):
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(reqs[i::procs], f)
             files.append(f.name)
+            # stderr to a file, read at the end: a pipe nobody drains could stall a chatty client mid-run
+            errs.append(tempfile.TemporaryFile("w+"))
             cmd = [sys.executable, "-m", "benchmarks.serve_load", "--client", "--url", url, "--workload", f.name,
                    "--concurrency", str(clients // procs + (i < clients % procs))]
-            running.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1]))
-        for p in running:
-            if p.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"client failed to start: {p.communicate(timeout=60)[1][-2000:]}")
+            running.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errs[-1],
+                                            text=True, cwd=Path(__file__).resolve().parents[1]))
+
+        def stderr_of(i: int) -> str:
+            errs[i].seek(0)
+            return errs[i].read()[-2000:]
+
+        for i, p in enumerate(running):
+            if _readline(p.stdout, READY_TIMEOUT_S).strip() != "ready":
+                raise RuntimeError(f"client {i} was not ready within {READY_TIMEOUT_S:g} s: {stderr_of(i)}")
+        overflows = listen_overflows()  # from here: the timed run (every connection is open)
         start_at = time.monotonic() + 0.05
         for p in running:
             p.stdin.write(f"{start_at!r}\n")
             p.stdin.flush()
         results = []
-        for p in running:
-            out, err = p.communicate(timeout=3600)
+        for i, p in enumerate(running):
+            out, _ = p.communicate(timeout=3600)
             if p.returncode:
-                raise RuntimeError(f"client failed: {err[-2000:]}")
+                raise RuntimeError(f"client {i} failed: {stderr_of(i)}")
             results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for p in running:
             if p.poll() is None:
                 p.kill()
+        for f in errs:
+            f.close()
         for name in files:
             Path(name).unlink(missing_ok=True)
     stats = [x for r in results for x in r["stats"]]
@@ -381,6 +395,19 @@ def drive(url: str, reqs: list, clients: int) -> dict:
     return rec
 
 
+READY_TIMEOUT_S = 60.0
+"""A client process must have imported httpx and opened its connections within this time."""
+
+
+def _readline(stream, timeout: float) -> str:
+    """One line of a pipe, or "" after ``timeout`` seconds (a thread waits on it: pipes have no timeouts)."""
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return line[0] if line else ""
+
+
 def _read_int(path: str) -> int | None:
     try:
         return int(Path(path).read_text())
@@ -389,7 +416,9 @@ def _read_int(path: str) -> int | None:
 
 
 def listen_overflows() -> int | None:
-    """The kernel's count of connections dropped because an accept queue was full (Linux; None elsewhere)."""
+    """The kernel's count of connections dropped because an accept queue was full (Linux; None elsewhere).
+
+    System-wide: the difference over a run counts any listener of the machine (here, in practice, the server)."""
     try:
         lines = Path("/proc/net/netstat").read_text().splitlines()
     except OSError:
@@ -401,21 +430,31 @@ def listen_overflows() -> int | None:
     return None
 
 
-def measure(served: Served, reqs_of, warm: list, clients: int, repeat: int) -> tuple[dict, dict]:
-    """Both paths at ``clients``, each warmed up on ``warm`` first; the fastest of ``repeat`` runs each.
+def measure(served: Served, reqs_of, warm_of, clients: int, repeat: int) -> tuple[dict, dict]:
+    """Both paths at ``clients``, each warmed up first; the fastest of ``repeat`` runs each.
 
-    ``reqs_of(k)``: the workload of the k-th timed run (same lengths, fresh prompt ids: no prefix-cache hits).
+    ``reqs_of(k)``: the workload of the k-th timed run, ``warm_of(k)`` of the k-th warm-up (same lengths per
+    kind, fresh prompt ids: no run or warm-up finds another's prompts in the prefix cache, so both paths'
+    warm-ups prefill for real). Repeats alternate which path runs first (offline, served; served, offline;
+    ...), so a drift over the level (the prefix cache filling up) does not fall on one path; the served
+    record's ``http_overhead_paired`` is the median over the repeats of 1 - served / offline of the same
+    repeat.
     """
-    served.call(offline_run, warm, clients)
-    drive(served.url, warm, clients)
+    served.call(offline_run, warm_of(0), clients)
+    drive(served.url, warm_of(1), clients)
     runs: dict[str, list[dict]] = {"offline": [], "served": []}
     for r in range(repeat):
-        runs["offline"].append(served.call(offline_run, reqs_of(2 * r), clients))
-        runs["served"].append(drive(served.url, reqs_of(2 * r + 1), clients))
+        order = ("offline", "served") if r % 2 == 0 else ("served", "offline")
+        for i, kind in enumerate(order):
+            reqs = reqs_of(2 * r + i)
+            runs[kind].append(served.call(offline_run, reqs, clients) if kind == "offline"
+                              else drive(served.url, reqs, clients))
     best = {k: max(v, key=lambda r: r["tokens_per_s"]) for k, v in runs.items()}
     for k, v in runs.items():
         best[k] = dict(best[k], runs=[round(r["tokens_per_s"], 1) for r in v],
                        tokens_per_s_median=statistics.median(r["tokens_per_s"] for r in v))
+    best["served"]["http_overhead_paired"] = statistics.median(
+        1 - s["tokens_per_s"] / o["tokens_per_s"] for o, s in zip(runs["offline"], runs["served"]))
     return best["offline"], best["served"]
 
 
@@ -510,9 +549,11 @@ def main(argv=None) -> int:
                 def reqs_of(run: int, n=n, c=c) -> list:
                     return workload(n, seed=c, prompt=prompt, output=output, vocab=vocab, run=run)
 
-                warm = workload(min(n, max(c, 4)), seed=10_000 + c, prompt=prompt, output=output, vocab=vocab)
+                def warm_of(run: int, n=min(n, max(c, 4)), c=c) -> list:
+                    return workload(n, seed=10_000 + c, prompt=prompt, output=output, vocab=vocab, run=run)
+
                 try:
-                    base, rec = measure(served, reqs_of, warm, c, max(1, args.repeat))
+                    base, rec = measure(served, reqs_of, warm_of, c, max(1, args.repeat))
                 except Exception as e:
                     log(f"{kv} x{c}: run failed: {e}")
                     continue
@@ -604,6 +645,10 @@ def table(records: list[dict]) -> str:
         over = f"{100 * r['http_overhead']:7.1f}%" if "http_overhead" in r else ""
         if "http_overhead_median" in r:
             over += f" (median {100 * r['http_overhead_median']:.1f}%)"
+        if "http_overhead_paired" in r:
+            over += f" (paired {100 * r['http_overhead_paired']:.1f}%)"
+        if r.get("failed"):
+            over += f" FAILED {r['failed']}"
         rows.append(f"{r['kv']:>5} {r['clients']:>4} {r['kind']:>8} {r['requests_per_s']:8.2f} {r['tokens_per_s']:9.0f}"
                     f" {r['ttft_p50_ms'] or 0:8.1f}/{r['ttft_p99_ms'] or 0:8.1f} "
                     f"{r['tpot_p50_ms'] or 0:8.1f}/{r['tpot_p99_ms'] or 0:8.1f} {over:>8}")

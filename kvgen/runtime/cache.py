@@ -396,10 +396,14 @@ class KVCache(HostTierMixin, KernelConfigMixin):
         if "prefill" not in step.configs:  # a decode step run through prefill
             step.configs["prefill"] = self._config("prefill", (step.batch, max(1, step.max_q_len), step.max_seq_len))
         pools, tables = self._attention(step, layer)
-        self.kernels["prefill"].launch(q, out, pools, tables, step.seq_lens, step.num_compressed,
-                                       step.cu_seqlens_q, max(1, step.max_q_len),
-                                       self.sm_scale if sm_scale is None else sm_scale,
-                                       config=step.configs.get("prefill"), k_new=k, v_new=v)
+        module = self.kernels["prefill"]
+        config = step.configs.get("prefill")
+        refine = getattr(module, "step_config", None)
+        if refine is not None:  # a kernel choice that depends on per-sequence lengths (host ints), per step
+            config = refine(config, step.num_new, step.seq_lens_host, k is not None)
+        module.launch(q, out, pools, tables, step.seq_lens, step.num_compressed, step.cu_seqlens_q,
+                      max(1, step.max_q_len), self.sm_scale if sm_scale is None else sm_scale, config=config,
+                      k_new=k, v_new=v)
         return out
 
     # -- inspection (host syncs; for tests and debugging) ---------------------------

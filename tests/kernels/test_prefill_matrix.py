@@ -260,11 +260,12 @@ def _boundary_batch(case: hz.Case) -> tuple[list[int], list[int]]:
     Chunks of 1, page-1, page and page+1 tokens after prefixes that end mid-page
     or on a page boundary; a whole prompt longer than the residual window (its
     first pages are compressed: the chunk's own tokens sit in both pools); a
-    long prefix with compressed pages and a 2-token chunk; an idle sequence.
+    long prefix with compressed pages and a 2-token chunk; an idle sequence; a
+    prefix one token into a page (a reader that stops a page early misses it).
     """
     P, w = case.page_size, hz.residual_window(case.scheme_obj)
-    prefix = [5, P + 3, 2 * P, 3, 0, w + P + 7, 9]
-    qlens = [1, P - 1, P, P + 1, w + 2 * P + 1, 2, 0]
+    prefix = [5, P + 3, 2 * P, 3, 0, w + P + 7, 9, P + 1]
+    qlens = [1, P - 1, P, P + 1, w + 2 * P + 1, 2, 0, 3]
     return [a + b for a, b in zip(prefix, qlens)], qlens
 
 

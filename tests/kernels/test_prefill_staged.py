@@ -29,6 +29,29 @@ def _module(case):
     return hz.cache_and_kernel("prefill", case, [1], seed=0)[1]
 
 
+@pytest.fixture(autouse=True)
+def nan_staging_buffers(monkeypatch):
+    """Every staging buffer starts as NaN: a key read from a page the stage kernel skipped poisons the output.
+
+    Patched on every prefill module loaded during the test (the modules are generated per spec).
+    """
+    from kvgen.codegen import loader
+
+    original = loader.load_kernel
+
+    def poisoned(shape, dtype, device):
+        k = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        return k, k.clone()
+
+    def load_kernel(*args, **kwargs):
+        mod = original(*args, **kwargs)
+        if hasattr(mod, "_stage_buffers"):
+            monkeypatch.setattr(mod, "_stage_buffers", poisoned)
+        return mod
+    monkeypatch.setattr(loader, "load_kernel", load_kernel)
+    monkeypatch.setattr(hz, "load_kernel", load_kernel, raising=False)
+
+
 @pytest.mark.parametrize("scheme", QUANTIZED)
 @pytest.mark.parametrize("kv", ["pages", "fresh"])
 def test_staged_equals_in_place_and_reference(scheme, kv):
@@ -56,21 +79,47 @@ def test_staged_fresh_chunks_at_page_boundaries(scheme):
 @pytest.mark.parametrize("scheme", QUANTIZED)
 @pytest.mark.parametrize("kv", ["pages", "fresh"])
 def test_staged_sliding_window(scheme, kv):
-    """Pages wholly before the window are never staged (they stay NaN in the buffer) and never read."""
+    """Pages wholly before the window are never staged (they stay NaN in the buffer) and never read.
+
+    The first chunk's earliest visible key (first_pos - window + 1) is the last slot of a page, the
+    alignment where a stage range off by one token drops a page.
+    """
     case = _one_case(scheme, gqa=2, num_kv_heads=1)
-    window = 2 * case.page_size + 3
+    P = case.page_size
+    window = 2 * P + 3
     lengths = _long_lengths(case)
-    qlens = [case.page_size + 2, 1, lengths[2], 4]
+    qlens = [lengths[0] - (3 * P - 1 + window - 1), 1, lengths[2], 4]  # first_pos 3P - 1 + window - 1
+    assert qlens[0] > 0 and (lengths[0] - qlens[0] - window + 1) % P == P - 1
     launch, reference_fn = prepare_prefill(case, lengths, qlens, seed=41, window=window, fresh=kv == "fresh")
     hz.check(case, launch(dict(small_tiles(case), staged=1)), reference_fn(window=window), f"staged window, {kv}")
 
 
+def test_step_config_stages_long_chunks_over_a_prefix_only():
+    """``staged`` 2 resolved per step from the per-sequence lengths; other configs pass through unchanged."""
+    scheme = QUANTIZED[0].values[0]
+    mod = _module(_one_case(scheme, gqa=2, num_kv_heads=1))
+    cfg = {"block_m": 16, "pages_per_tile": 2, "num_warps": 4, "num_stages": 1, "staged": 2}
+    chunk_over_prefix = mod.step_config(cfg, [512], [2048], True)
+    assert chunk_over_prefix == dict(cfg, staged=1)
+    assert mod.step_config(cfg, [2048], [2048], True)["staged"] == 0  # a first chunk: no prefix to read
+    assert mod.step_config(cfg, [2048], [2048], False)["staged"] == 1  # ... unless it reads itself back
+    # decode rows (one query block each) beside a long chunk over no prefix: nothing is read twice
+    assert mod.step_config(cfg, [2048] + [1] * 63, [2048] + [1024] * 63, True)["staged"] == 0
+    # a chunk over a prefix beside 63 decode rows of 1K (4,032 pages staged for nothing): a 1K chunk over 3K
+    # (192 pages read 64 times) still pays, a 256-token chunk over 3.8K (240 pages read 16 times) does not
+    assert mod.step_config(cfg, [1024] + [1] * 63, [4096] + [1024] * 63, True)["staged"] == 1
+    assert mod.step_config(cfg, [256] + [1] * 63, [4096] + [1024] * 63, True)["staged"] == 0
+    assert mod.step_config(cfg, [0, 0], [64, 64], True)["staged"] == 0  # nothing to attend
+    for other in (dict(cfg, staged=0), dict(cfg, staged=1), None, {}):
+        assert mod.step_config(other, [512], [2048], True) == other
+
+
 def test_staged_auto_rule_and_bad_value():
-    """``staged`` 2 stages a long chunk and not a decode-like step; other values are refused."""
+    """``staged`` 2 without step facts stages a long chunk and not a decode-like step; bad values are refused."""
     scheme = QUANTIZED[0].values[0]
     case = _one_case(scheme, gqa=2, num_kv_heads=1)
     mod = _module(case)
-    q_long = torch.empty(4 * 64, 2, case.head_dim, dtype=case.dtype)
+    q_long = torch.empty(4 * 128, 2, case.head_dim, dtype=case.dtype)
     q_decode = torch.empty(4, 2, case.head_dim, dtype=case.dtype)
     assert mod._staging(2, q_long, 4, 8, 32)
     assert not mod._staging(2, q_decode, 4, 8, 32)
@@ -79,8 +128,18 @@ def test_staged_auto_rule_and_bad_value():
     assert not mod._staging(1, q_long, 4, too_many_pages, 32)
     with pytest.raises(ValueError, match="staged"):
         mod._staging(3, q_long, 4, 8, 32)
-    launch, reference_fn = prepare_prefill(case, [3 * case.page_size + 1] * 2, [3 * case.page_size + 1] * 2, seed=43)
+    n = 3 * case.page_size + 1
+    launch, reference_fn = prepare_prefill(case, [n] * 2, [n] * 2, seed=43)
     hz.check(case, launch(dict(small_tiles(case), staged=2)), reference_fn(), "staged 2")
+
+
+def test_a_failed_staging_allocation_reads_in_place(monkeypatch):
+    case = _one_case(QUANTIZED[0].values[0], gqa=2, num_kv_heads=1)
+    lengths = _long_lengths(case)
+    launch, reference_fn = prepare_prefill(case, lengths, lengths, seed=47)
+    mod = _module(case)
+    monkeypatch.setattr(mod, "_stage_buffers", lambda *a: None)
+    hz.check(case, launch(dict(small_tiles(case), staged=1)), reference_fn(), "staging out of memory")
 
 
 def test_float_schemes_never_stage():
