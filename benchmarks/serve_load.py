@@ -54,7 +54,9 @@ With ``--repeat R`` each path runs R times (alternating, the first path of
 each repeat alternating too) and the fastest run of each is kept (``runs``
 lists all tokens/s); ``tokens_per_s_median`` and ``http_overhead_median`` are
 the same from the median run of each path; ``http_overhead_paired`` is the
-median over repeats of each repeat's own overhead.
+median over repeats of each repeat's own overhead; ``tuned_in_runs``: per run,
+the shape buckets the engine's autotuner timed during it (a cold tuning cache
+makes those runs slow).
 The offline path runs the engine as ``LLM.generate`` does (``output_kind``
 ``final``, no running text), the served path as ``kvgen serve`` does (deltas).
 """
@@ -255,6 +257,13 @@ def device_name(engine) -> str | None:
     return torch.cuda.get_device_name(dev) if torch.device(dev).type == "cuda" else None
 
 
+def tuned_buckets(engine) -> int:
+    """How many shape buckets the engine's kernel autotuner has timed so far (tuning inside a timed run is
+    time the run pays: a cold tuning cache on a fresh machine shows up as a slow run)."""
+    tuner = getattr(getattr(engine, "cache", None), "autotuner", None)
+    return len(getattr(tuner, "tuned", ()))
+
+
 def offline_run(engine, reqs: list, clients: int) -> dict:
     """:func:`offline` with the engine's device sync; run on the engine between two steps of an idle server."""
     import torch
@@ -447,11 +456,17 @@ def measure(served: Served, reqs_of, warm_of, clients: int, repeat: int) -> tupl
         order = ("offline", "served") if r % 2 == 0 else ("served", "offline")
         for i, kind in enumerate(order):
             reqs = reqs_of(2 * r + i)
-            runs[kind].append(served.call(offline_run, reqs, clients) if kind == "offline"
-                              else drive(served.url, reqs, clients))
+            before = served.call(tuned_buckets)
+            run = served.call(offline_run, reqs, clients) if kind == "offline" else drive(served.url, reqs, clients)
+            run["tuned_buckets"] = served.call(tuned_buckets) - before
+            if run["tuned_buckets"]:
+                log(f"x{clients} {kind} run {r}: the autotuner timed {run['tuned_buckets']} new shape buckets "
+                    f"during it (its time is in the run)")
+            runs[kind].append(run)
     best = {k: max(v, key=lambda r: r["tokens_per_s"]) for k, v in runs.items()}
     for k, v in runs.items():
         best[k] = dict(best[k], runs=[round(r["tokens_per_s"], 1) for r in v],
+                       tuned_in_runs=[r["tuned_buckets"] for r in v],
                        tokens_per_s_median=statistics.median(r["tokens_per_s"] for r in v))
     best["served"]["http_overhead_paired"] = statistics.median(
         1 - s["tokens_per_s"] / o["tokens_per_s"] for o, s in zip(runs["offline"], runs["served"]))
