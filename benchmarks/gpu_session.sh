@@ -39,16 +39,16 @@ if [ "$what" = open-checks ]; then
   # issue 16 -- the staged prefill and the CUDA backend on the GPU, prefill over quantized prefixes
   # (bf16/int8/int4, every candidate, staged included), the first int4 CUDA decode timing; issue 14 -- the
   # engine GPU tests and the KV-bound throughput (int4 vs bf16 KV) with the staged prefill.
-  timeout 150 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+  timeout 140 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
     tests/kernels/test_prefill_staged.py tests/test_cuda_backend.py >"$OUT/pytest-gpu-staged-cuda.log" 2>&1
   echo "staged prefill + CUDA backend GPU tests: exit $? (124: cut)"; tail -3 "$OUT/pytest-gpu-staged-cuda.log"
-  timeout 120 python3 -m benchmarks.run --ops prefill --schemes bf16,int8,int4 --out "$OUT/prefill" \
+  timeout 100 python3 -m benchmarks.run --ops prefill --schemes bf16,int8,int4 --out "$OUT/prefill" \
     >"$OUT/prefill.log" 2>&1; echo "prefill bench: exit $?"; grep -E "prefill" "$OUT/prefill.log" | tail -6 | cut -c1-260
-  timeout 120 python3 -m benchmarks.cuda_decode --schemes int4,int8,bf16 --tune --out "$OUT/cuda_decode.json" \
+  timeout 100 python3 -m benchmarks.cuda_decode --schemes int4,int8,bf16 --tune --out "$OUT/cuda_decode.json" \
     >"$OUT/cuda_decode.log" 2>&1; echo "cuda decode: exit $?"; tail -8 "$OUT/cuda_decode.log" | cut -c1-260
-  timeout 90 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+  timeout 80 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
     tests/engine >"$OUT/pytest-engine-gpu.log" 2>&1; echo "engine GPU tests: exit $?"; tail -3 "$OUT/pytest-engine-gpu.log"
-  timeout 110 python3 -m benchmarks.engine --parts kvbound --kv bf16,int4 --no-hf --out "$OUT/engine_kvbound.json" \
+  timeout 100 python3 -m benchmarks.engine --parts kvbound --kv bf16,int4 --no-hf --out "$OUT/engine_kvbound.json" \
     >"$OUT/engine_kvbound.log" 2>&1; echo "engine kvbound: exit $?"; tail -6 "$OUT/engine_kvbound.log" | cut -c1-260
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
