@@ -397,10 +397,14 @@ class KVCache(HostTierMixin, KernelConfigMixin):
             step.configs["prefill"] = self._config("prefill", (step.batch, max(1, step.max_q_len), step.max_seq_len))
         pools, tables = self._attention(step, layer)
         module = self.kernels["prefill"]
-        config = step.configs.get("prefill")
-        refine = getattr(module, "step_config", None)
-        if refine is not None:  # a kernel choice that depends on per-sequence lengths (host ints), per step
-            config = refine(config, step.num_new, step.seq_lens_host, k is not None)
+        # A kernel choice that depends on per-sequence lengths (host ints): made once per step and key source.
+        key = "prefill/fresh" if k is not None else "prefill/pages"
+        if key not in step.configs:
+            refine = getattr(module, "step_config", None)
+            config = step.configs.get("prefill")
+            step.configs[key] = config if refine is None else refine(config, step.num_new, step.seq_lens_host,
+                                                                     k is not None)
+        config = step.configs[key]
         module.launch(q, out, pools, tables, step.seq_lens, step.num_compressed, step.cu_seqlens_q,
                       max(1, step.max_q_len), self.sm_scale if sm_scale is None else sm_scale, config=config,
                       k_new=k, v_new=v)

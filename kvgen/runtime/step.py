@@ -47,7 +47,9 @@ class StepMetadata:
     (tokens each sequence adds), ``seq_lens_host``, ``batch``,
     ``max_seq_len``, ``max_q_len``, ``total_tokens``, ``max_pages``,
     ``is_decode`` (every sequence adds exactly one token), ``configs`` (kernel
-    configs by op, chosen for this step's shape bucket), ``num_copies``,
+    configs by op, chosen for this step's shape bucket; ``prefill/fresh`` and
+    ``prefill/pages``: the prefill config refined by the module's
+    ``step_config`` for this step, once), ``num_copies``,
     ``num_conversions``, ``written`` (layers whose K/V are stored), ``stale``.
 
     Device tensors: ``block_tables`` int32 ``[B, max_pages]``, ``seq_lens``,

@@ -200,16 +200,13 @@ def scenarios(cache: Any) -> list[Scenario]:
                     seen.add((key, count % 16 == 0))
                     out.append(Scenario("write", 1, 0, count, why="cache_write of many tokens (its own config)"))
     if "prefill" in cache.kernels:
-        warmed: set[str] = set()
-        for cfg in prefill_configs(cache):
-            # staged 2 picks per step between the in-place kernel and staging + the staged kernel: both
-            for forced, why in (((cfg, "prefill of a fresh chunk over a cached prefix"),) if not cfg.get("staged")
-                                else ((dict(cfg, staged=0), "prefill in place (of staged 2)"),
-                                      (dict(cfg, staged=1), "prefill through the staging buffer"))):
-                key = json.dumps(forced, sort_keys=True)
-                if key not in warmed:  # a staged-2 winner's in-place twin may be a default already listed
-                    warmed.add(key)
-                    out.append(Scenario("prefill", 1, P, P, forced, why=why))
+        # staged 2 picks per step between the in-place kernel and staging + the staged kernel: warm both
+        # (an in-place twin may be a default listed already)
+        forced = [c for cfg in prefill_configs(cache)
+                  for c in ([dict(cfg, staged=0), dict(cfg, staged=1)] if cfg.get("staged") else [cfg])]
+        for cfg in {json.dumps(c, sort_keys=True): c for c in forced}.values():
+            out.append(Scenario("prefill", 1, P, P, cfg, why="prefill of a fresh chunk over a cached prefix"
+                                + (" through the staging buffer" if cfg.get("staged") else "")))
     return out
 
 
