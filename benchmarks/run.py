@@ -136,16 +136,21 @@ def sdpa_decode_ms(case: DecodeCase) -> float:
     return bench(lambda: f(q, case.k_raw, case.v_raw, enable_gqa=True))
 
 
+def kernel_spec(op, scheme_name, Hkv, G, D, dtype="bfloat16", backend="triton"):
+    """The KernelSpec of one op, scheme and shape as the benchmarks build it (sm_90, PAGE-token pages)."""
+    from kvgen.codegen.spec import KernelSpec
+
+    return KernelSpec(op=op, scheme=scheme_name, head_dim=D, num_kv_heads=Hkv, gqa_group=G, page_size=PAGE,
+                      compute_dtype=dtype, arch="sm_90", backend=backend)
+
+
 def kernel_module(op, scheme_name, Hkv, G, D, dtype="bfloat16", backend="triton"):
     """The op's generated kernel module for one scheme and shape (``backend`` triton or cuda), and the scheme."""
     from kvgen.codegen.loader import load_kernel
-    from kvgen.codegen.spec import KernelSpec
     from kvgen.registry import default_registry
 
     scheme = default_registry().schemes[scheme_name]
-    spec = KernelSpec(op=op, scheme=scheme_name, head_dim=D, num_kv_heads=Hkv, gqa_group=G, page_size=PAGE,
-                      compute_dtype=dtype, arch="sm_90", backend=backend)
-    return load_kernel(spec, scheme), scheme
+    return load_kernel(kernel_spec(op, scheme_name, Hkv, G, D, dtype, backend), scheme), scheme
 
 
 def decode_backends(scheme_name, Hkv, G, D, backend):
@@ -155,11 +160,9 @@ def decode_backends(scheme_name, Hkv, G, D, backend):
     if backend == "triton":
         return ["triton"]
     from kvgen.codegen import cuda as cuda_backend
-    from kvgen.codegen.spec import KernelSpec
     from kvgen.registry import default_registry
 
-    spec = KernelSpec(op="decode", scheme=scheme_name, head_dim=D, num_kv_heads=Hkv, gqa_group=G, page_size=PAGE,
-                      compute_dtype="bfloat16", arch="sm_90", backend="cuda")
+    spec = kernel_spec("decode", scheme_name, Hkv, G, D, backend="cuda")
     ok = cuda_backend.reason_unsupported(spec, default_registry().schemes[scheme_name]) is None
     return (["triton"] if backend == "auto" else []) + (["cuda"] if ok else [])
 
@@ -188,17 +191,18 @@ def decode_records(schemes, shapes, copy_bw, log, backend="triton"):
         for name in schemes:
             case = None
             best = None  # (ms, config, backend, run)
-            if not decode_backends(name, Hkv, Hq // Hkv, D, backend):
+            backends = decode_backends(name, Hkv, Hq // Hkv, D, backend)
+            if not backends:
                 print(f"decode {name}: no {backend} kernel for this scheme; skipped", file=sys.stderr)
                 continue
-            for be in decode_backends(name, Hkv, Hq // Hkv, D, backend):
+            sm = 1 / math.sqrt(D)
+            for be in backends:
                 mod, scheme = kernel_module("decode", name, Hkv, Hq // Hkv, D, backend=be)
                 if case is None:
                     case = DecodeCase(scheme, B, L, Hq, Hkv, D)
                     out = torch.empty_like(case.q)
                 if sdpa_ms is None:
                     sdpa_ms = sdpa_decode_ms(case)
-                sm = 1 / math.sqrt(D)
 
                 def run(cfg, mod=mod):
                     mod.launch(case.q, out, case.pools, case.block_tables, case.seq_lens, case.num_compressed, sm,

@@ -309,6 +309,20 @@ def test_unknown_backend_is_a_one_line_error(tmp_path):
     assert isinstance(info.value, KvgenError) and not (tmp_path / "pkg").exists()
 
 
+def test_16_bit_pages_are_built_and_tuned_for_one_tile_in_flight_only():
+    """A second register buffer of 16-bit pages spills: their library has depth 1 only, so the tuner never
+    times the same kernel twice; 8- and 4-bit pages get both depths."""
+    from kvgen.codegen.loader import load_kernel
+
+    for scheme, depths in (("bf16", [1]), ("int8", [1, 2]), ("int4", [1, 2])):
+        spec = dataclasses.replace(_spec(scheme, head_dim=64, gqa=2, heads=1), arch="cpu")
+        mod = load_kernel(spec, default_registry().schemes[scheme])
+        assert list(mod.DEPTHS) == depths
+        assert sorted({c["depth"] for c in mod.candidates(4, 1024)}) == depths
+        src = _sources(spec)[".cu"]
+        assert [d for d in (1, 2) if f"launch_decode<4, {d}>" in src] == depths
+
+
 def test_cuda_decode_refuses_cpu_tensors_with_a_clear_error():
     import torch
 
@@ -393,6 +407,7 @@ def test_gpu_cuda_decode_page_boundaries_and_ragged(case):
 @pytest.mark.parametrize("splits,warps,depth", [(1, 4, 1), (1, 8, 2), (3, 4, 2), (16, 8, 1), (128, 4, 2), (2, 4, 2)])
 def test_gpu_cuda_decode_splits_warps_and_depth(scheme, splits, warps, depth):
     # lengths whose per-warp tile counts are odd and even, so a depth-2 pipeline ends on either buffer
+    depth = 1 if scheme == "bf16" else depth  # 16-bit pages are built for depth 1 only
     _gpu_decode(scheme, 128, 8, 16, "bfloat16", 4, [4099, 1, 0, 640, 33, 16 * 4 * 3 + 5],
                 config={"num_splits": splits, "num_warps": warps, "depth": depth})
 
@@ -404,7 +419,7 @@ def test_gpu_cuda_decode_window_and_softcap(scheme):
     for window, softcap in ((40, 0.0), (0, 20.0), (100, 30.0)):
         _gpu_decode(scheme, 64, 4, 8 if scheme == "int8" else p, "float16", 2, [7, 41, 300, 1025],
                     window=window, softcap=softcap, q_scale=3.0,
-                    config={"num_splits": 4, "num_warps": 4, "depth": 2})
+                    config={"num_splits": 4, "num_warps": 4, "depth": 1 if scheme == "fp16" else 2})
 
 
 @pytest.mark.gpu

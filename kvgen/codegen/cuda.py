@@ -30,14 +30,17 @@ from kvgen.codegen.cppsource import comment
 from kvgen.codegen.layout import LayoutContext
 from kvgen.codegen.spec import KernelSpec
 from kvgen.registry import Registry
-from kvgen.schemes import Scheme
+from kvgen.schemes import Scheme, dtype_bytes
 
 OPS = ("decode",)
 """Ops with a CUDA template."""
 WARPS = (4, 8)
 """Warps per program the decode library is built for (one template instance each)."""
 DEPTHS = (1, 2)
-"""Tiles in flight per warp (register buffers) the decode library is built for (16-bit pages run 2 as 1)."""
+"""Tiles in flight per warp (register buffers) the decode library is built for; pages of 16-bit elements are
+built for 1 only (a second register buffer of them spills; see :func:`depths_for`)."""
+ABI_VERSION = 2
+"""The version of kvgen_decode's parameter list: rendered into the library and into the module that checks it."""
 MIN_ARCH = 80
 """mma.sync with bf16 operands needs sm_80+."""
 
@@ -93,11 +96,16 @@ def render(spec: KernelSpec, scheme: Scheme, L: LayoutContext, R: LayoutContext,
     reason = unsupported(spec, scheme, L, env)
     if reason:
         raise ValueError(f"{spec.name} cannot use the CUDA backend: {reason}")
-    ctx = dict(spec=spec, L=L, R=R, residual=scheme.residual_tokens is not None, scheme=scheme, cuda_macros=macro_template(scheme), warps=WARPS,
-               depths=DEPTHS)
+    ctx = dict(spec=spec, L=L, R=R, residual=scheme.residual_tokens is not None, scheme=scheme,
+               cuda_macros=macro_template(scheme), warps=WARPS, depths=depths_for(L), abi_version=ABI_VERSION)
     cu = env.get_template(f"cuda/{spec.op}.cu.j2").render(**ctx)
     py = env.get_template(f"cuda/{spec.op}.py.j2").render(**ctx)
     return {".py": py_header + py, ".cu": cu_header(spec, template_hash) + cu}
+
+
+def depths_for(L: LayoutContext) -> tuple[int, ...]:
+    """The pipeline depths built for a scheme's pages: :data:`DEPTHS`, or 1 alone for 16-bit elements."""
+    return (1,) if dtype_bytes(L.t[L.tensor_order[0]].dtype) > 1 else DEPTHS
 
 
 def reason_unsupported(spec: KernelSpec, scheme: Scheme, registry: Registry | None = None) -> str | None:
