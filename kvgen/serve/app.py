@@ -55,7 +55,6 @@ class ServeState:
         kind = ProcessWorker if isinstance(engine, EngineSpec) else EngineWorker
         self.worker = kind(engine, max_pending=max_pending, metrics=self.metrics)
         info = self.worker.info
-        self.max_model_len = info.max_model_len
         self.prompter = Prompter(info.tokenizer, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
                                  chat_template=chat_template)
         self.created = int(time.time())
@@ -86,8 +85,8 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
         finally:
             s = await state.worker.stop()
             if s is None:
-                print(f"kvgen serve: stopped; the engine had failed ({state.worker.error!r})", file=sys.stderr,
-                      flush=True)
+                why = f"had failed ({state.worker.error!r})" if state.worker.error else "did not stop in time"
+                print(f"kvgen serve: stopped; the engine {why}", file=sys.stderr, flush=True)
             else:
                 state.stopped_summary = {k: s[k] for k in ("requests", "pages_used", "sequences")}
                 print(f"kvgen serve: stopped; {s['requests']} requests left, {s['pages_used']} of {s['pages_total']} "
@@ -142,7 +141,7 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
         authorize(request)
         return JSONResponse({"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvgen",
-            "max_model_len": state.max_model_len}]})
+            "max_model_len": state.prompter.max_model_len}]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

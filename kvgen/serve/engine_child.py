@@ -29,7 +29,6 @@ on a failing step ``("failed", exception, request ids)``.
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import sys
@@ -40,6 +39,7 @@ from typing import Any
 from .channel import BadFrame, ChildChannel, EngineProcessError, dumps, encode_output, load_payload, portable_error
 from .engine_loop import EngineLoop, engine_info, prepare_engine
 from .stats import engine_summary
+from .worker import hold_interpreter
 
 COMMANDS = frozenset({"add", "abort", "call", "stats", "drain", "stop"})
 PARENT_GONE_GRACE_S = 5.0
@@ -122,8 +122,7 @@ def child_main(spec: Any, sock: Any) -> None:
             f"the engine rather than an EngineSpec)")))
         _close(engine)
         sys.exit(1)
-    gc.collect()
-    gc.freeze()  # the model, torch and the engine: out of the collector's full collections (GIL pauses)
+    hold_interpreter(True)  # the model, torch and the engine: out of the collector's full collections
     port = _ChildPort(channel)
     loop = EngineLoop(engine, port)
     loop.run()

@@ -58,9 +58,8 @@ from .channel import (BadFrame, EngineProcessError, FrameReader, ParentProtocol,
                       load_payload, socket_pair)
 from .engine_child import child_main
 from .stream import Stream
-from .worker import WorkerBase, hold_interpreter
+from .worker import STOP_TIMEOUT_S, WorkerBase, hold_interpreter
 
-STOP_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 1800.0
 """How long the engine process may take to build the engine by default (a large model's weights from a slow disk)."""
 EXIT_TIMEOUT_S = 15.0

@@ -38,11 +38,6 @@ def kv_pages(cache: Any) -> dict[str, int]:
     return {"total": total, "free": free, "used": total - free, "sequences": len(cache.sequences())}
 
 
-def engine_pages(engine: Any) -> dict[str, int]:
-    """:func:`kv_pages` of ``engine``'s cache (a module-level function: it can be sent to the engine process)."""
-    return kv_pages(engine.cache)
-
-
 def engine_gauges(engine: Any) -> dict[str, int]:
     """``{"running", "waiting", "pages_used", "pages_free"}``: engine requests in the batch / only queued, and pages."""
     sched = engine.scheduler

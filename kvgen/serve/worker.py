@@ -45,6 +45,8 @@ from .stream import Stream
 
 SWITCH_INTERVAL_S = 0.0005
 """sys.setswitchinterval while a worker runs: how long the engine thread waits at most for the GIL."""
+STOP_TIMEOUT_S = 30.0
+"""How long a worker's stop waits for the engine (thread or process) to finish its step and stop."""
 
 _switch_lock = threading.Lock()
 _switch_users = 0
@@ -256,7 +258,7 @@ class EngineWorker(WorkerBase):
         self._held = True
         self._thread.start()
 
-    async def stop(self, timeout: float = 30.0) -> dict[str, int]:
+    async def stop(self, timeout: float = STOP_TIMEOUT_S) -> dict[str, int] | None:
         """Abort whatever is left, stop the thread and wait for it (at most ``timeout`` s); what the engine holds.
 
         Each open stream gets its last output (finish reason ``abort``), or
@@ -272,6 +274,8 @@ class EngineWorker(WorkerBase):
         if self._held:
             self._held = False
             hold_interpreter(False)
+        if self._thread is not None and self._thread.is_alive():
+            return None  # still inside a step: reading the engine here would race it (as a dead process's: None)
         return engine_summary(self.engine)
 
     def begin_drain(self, timeout: float) -> None:

@@ -16,6 +16,7 @@ is a module-level function of the engine, so it reaches either.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import types
@@ -25,7 +26,7 @@ from engine.helpers import STORIES, TableRunner, all_free, stories_cache  # noqa
 from kvgen.serve.app import build_app
 from kvgen.serve.engine_process import EngineSpec
 from kvgen.serve.server import bind, make_server
-from kvgen.serve.stats import engine_pages
+from kvgen.serve.stats import kv_pages
 
 KINDS = ("thread", "process")
 
@@ -88,6 +89,24 @@ def broken_engine(message: str):
 def set_delay(engine, delay: float) -> None:
     """Run on the engine: each step of the stand-in now takes ``delay`` seconds."""
     engine.runner.delay = delay
+
+
+def pid_gone(pid: int, within: float = 0.0) -> bool:
+    """Whether process ``pid`` no longer exists (waiting up to ``within`` seconds for it to go)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def engine_pages(engine) -> dict[str, int]:
+    """Run on the engine: :func:`kv_pages` of its cache."""
+    return kv_pages(engine.cache)
 
 
 def engine_all_free(engine) -> bool:

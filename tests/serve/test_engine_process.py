@@ -35,20 +35,12 @@ from kvgen.errors import KvgenError  # noqa: E402
 from kvgen.serve.channel import BadFrame, FrameReader, frame, portable_error  # noqa: E402
 from kvgen.serve.engine_process import EngineProcessError, EngineSpec, ProcessWorker  # noqa: E402
 
-from .helpers import MODEL, ServerThread, foreign_class, foreign_error, foreign_result, table_spec  # noqa: E402
+from .helpers import (MODEL, ServerThread, foreign_class, foreign_error, foreign_result, pid_gone,  # noqa: E402
+                      table_spec)
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _gone_within(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_killed_engine_process_fails_open_streams_with_500_and_health_reports_it():
@@ -172,7 +164,7 @@ def test_the_engine_process_exits_when_the_server_process_is_killed(tmp_path):
         pid = int(proc.stdout.readline())
         proc.kill()
         proc.wait()
-        assert _gone_within(pid, 10)
+        assert pid_gone(pid, within=10)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 
 from kvgen.serve.engine_process import EngineSpec  # noqa: E402
 
-from .helpers import KINDS, MODEL, STORIES, ServerThread  # noqa: E402
+from .helpers import KINDS, MODEL, STORIES, ServerThread, pid_gone  # noqa: E402
 
 TOKENS = 6
 PROMPT = "Once upon a time"
@@ -93,12 +93,6 @@ def _read_port(proc: subprocess.Popen, lines: list[str], timeout: float) -> tupl
     return found[0]
 
 
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("flags", [[], ["--engine-in-process"]], ids=["engine-process", "engine-in-process"])
@@ -146,4 +140,4 @@ def test_sigterm_under_load_drains_and_exits_0(tmp_path, flags):
     assert len(results) == 3 and all(saw and reason == "abort" for _, reason, saw in results), results
     assert any("0 requests left, 0 of" in ln and "KV pages in use, 0 sequences" in ln for ln in lines), "".join(lines)
     if engine_pid is not None:
-        assert not _exists(engine_pid)  # the server waited for its engine process: none left, no zombie
+        assert pid_gone(engine_pid)  # the server waited for its engine process: none left, no zombie
