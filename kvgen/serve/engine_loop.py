@@ -138,10 +138,16 @@ class EngineLoop:
         """The metrics' counts so far, with the gauges read now (for a /metrics scrape)."""
         return self.counter.take(self.engine, gauges=True)
 
-    def drain(self, timeout: float) -> None:
-        """Abort what is still unfinished ``timeout`` seconds from now (the first call sets the deadline)."""
+    def drain(self, deadline: float) -> None:
+        """Abort what is still unfinished at ``deadline`` (a ``time.monotonic()`` value; the first call sets it).
+
+        The server computes the deadline when the signal arrives, not this
+        loop when it reads the command (between two steps, one step later):
+        the drain timeout counts from SIGTERM. (CLOCK_MONOTONIC is one clock
+        for every process of the machine, the engine process included.)
+        """
         if self.deadline is None:
-            self.deadline = time.monotonic() + timeout
+            self.deadline = deadline
 
     def stop(self) -> None:
         """End :meth:`run` before the next step, aborting what is left (each request's last output says so)."""

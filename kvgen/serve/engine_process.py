@@ -216,7 +216,7 @@ class ProcessWorker(WorkerBase):
         if not self.draining:
             self.draining = True
             if self.loop is not None:
-                self.loop.call_soon_threadsafe(self._send, None, "drain", (timeout,))
+                self.loop.call_soon_threadsafe(self._send, None, "drain", (time.monotonic() + timeout,))
 
     @property
     def alive(self) -> bool:

@@ -35,6 +35,7 @@ import itertools
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -288,7 +289,8 @@ class EngineWorker(WorkerBase):
         """
         if not self.draining:
             self.draining = True
-            command = lambda loop: loop.drain(timeout)  # noqa: E731
+            deadline = time.monotonic() + timeout
+            command = lambda loop: loop.drain(deadline)  # noqa: E731
             if self.loop is None:  # not started: no event loop, no submit to interrupt
                 self._port.put(command)
             else:

@@ -82,7 +82,7 @@ def test_aborts_count_one_per_engine_request_however_they_end_and_refused_reques
         refused_add,
         step,
         lambda loop: loop.abort(["a-0"]),  # its client went away
-        lambda loop: loop.drain(0.0),  # b-0's two completions are aborted at the deadline
+        lambda loop: loop.drain(time.monotonic()),  # b-0's two completions are aborted at the deadline
     )
     assert port.finished == {"abort": 2}
     port = run_script(engine, add(["d-0"], [[7, 8]], n=3, max_tokens=100), step)
@@ -94,7 +94,7 @@ def test_aborts_count_one_per_engine_request_however_they_end_and_refused_reques
 def test_a_drain_hands_over_only_what_each_request_was_not_sent():
     engine = table_engine()
     port = run_script(engine, add(["a-0"], [[1, 2, 3]], n=2, max_tokens=100, logprobs=2, stop=["never said"]),
-                      step, step, step, lambda loop: loop.drain(0.0))
+                      step, step, step, lambda loop: loop.drain(time.monotonic()))
     tag, last, finished = port.items[-1]
     assert tag == "a-0" and finished and [c.finish_reason for c in last.outputs] == ["abort", "abort"]
     assert all(c.token_ids == [] and c.text for c in last.outputs)  # the held-back text only: no tokens again
