@@ -18,7 +18,7 @@ import json
 import sys
 from typing import Any, Callable, NamedTuple, Sequence
 
-from kvgen.errors import KvgenError
+from kvgen.errors import KvgenError, is_user_error
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("plan the KV cache of a model on a GPU", "kvgen.cli:PLAN"),
@@ -341,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except Exception as exc:
-        if not _is_runtime_error(exc):
+        if not is_user_error(exc):
             raise
         print(f"kvgen: error: {exc}", file=sys.stderr)
         return 2
@@ -372,17 +372,6 @@ def _interpret_without_gpu(args: argparse.Namespace) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     print("kvgen: no GPU: the kernels run on the Triton CPU interpreter (slow; fine for small models)",
           file=sys.stderr)
-
-
-def _is_runtime_error(exc: BaseException) -> bool:
-    """A user-facing error of kvgen's runtime, or of the runtime copy inside a generated package.
-
-    The runtime imports nothing of kvgen (it ships in every package), so its
-    ``KvgenRuntimeError`` is not a KvgenError, and each package has its own
-    copy of the class: recognize it by name and module.
-    """
-    return any(c.__name__ == "KvgenRuntimeError" and c.__module__.endswith("runtime.errors")
-               for c in type(exc).__mro__)
 
 
 if __name__ == "__main__":

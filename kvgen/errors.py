@@ -45,3 +45,14 @@ class SchemeCapabilityError(KvgenError):
 
 class PluginError(KvgenError):
     """A plugin registered something invalid (duplicate name, bad object)."""
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """A user's mistake: a KvgenError, or a ``KvgenRuntimeError`` of kvgen's runtime or of a generated package's copy.
+
+    The runtime imports nothing of kvgen (it ships in every package), so its
+    error class is not a KvgenError and each package has its own copy of
+    it: it is recognized by name and module.
+    """
+    return isinstance(exc, KvgenError) or any(
+        c.__name__ == "KvgenRuntimeError" and c.__module__.endswith("runtime.errors") for c in type(exc).__mro__)

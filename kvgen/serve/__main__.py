@@ -1,24 +1,19 @@
-"""``python -m kvgen.serve --model PATH ...``: the ``kvgen serve`` command on its own."""
+"""``python -m kvgen.serve --model PATH ...``: the ``kvgen serve`` command itself.
+
+It runs through kvgen's CLI, so it behaves as ``kvgen serve`` does: the
+Triton interpreter on a machine without a GPU, one line and exit code 2
+for a user's mistake.
+"""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from kvgen.errors import KvgenError
-
-from .cli import HELP, add_args, run
+from kvgen.cli import main as _cli_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvgen.serve", description=HELP)
-    add_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except KvgenError as e:
-        print(f"kvgen serve: error: {e}", file=sys.stderr)
-        return 2
+    return _cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvgen.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvgen.errors import KvgenError
+from kvgen.errors import KvgenError, is_user_error
 
 HEADER = 8
 BUFFER_BYTES = 4 << 20
@@ -202,8 +202,9 @@ def portable_error(error: BaseException) -> BaseException:
     other -- a class of the user's module, of a generated
     ``kvgen_generated_*`` package, of torch -- might not be importable on
     the other side (it would arrive as a ModuleNotFoundError): it is
-    replaced by an EngineProcessError (a KvgenError: a user's mistake) when
-    it was a KvgenError, else by a RuntimeError (a bug), with the message
+    replaced by an EngineProcessError (a KvgenError) when it was a user's
+    mistake (a KvgenError, or the runtime's KvgenRuntimeError), else by a
+    RuntimeError (a bug), with the message
     ``"QualName: message"``.
     """
     try:
@@ -211,7 +212,7 @@ def portable_error(error: BaseException) -> BaseException:
         return error
     except Exception:  # noqa: BLE001 -- any exception type may refuse to be pickled
         message = f"{type(error).__qualname__}: {error}"
-        return EngineProcessError(message) if isinstance(error, KvgenError) else RuntimeError(message)
+        return EngineProcessError(message) if is_user_error(error) else RuntimeError(message)
 
 
 def encode_output(out: RequestOutput) -> tuple:

@@ -31,7 +31,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from kvgen.errors import KvgenError  # noqa: E402
+from kvgen.errors import KvgenError, is_user_error  # noqa: E402
 from kvgen.serve.channel import BadFrame, FrameReader, frame, portable_error  # noqa: E402
 from kvgen.serve.engine_process import EngineProcessError, EngineSpec, ProcessWorker  # noqa: E402
 
@@ -148,6 +148,25 @@ def test_portable_errors_are_builtin_or_kvgen_types_else_a_stand_in_naming_the_t
     assert type(unpicklable) is RuntimeError
     for error in (user, bug, wrapped, unpicklable):
         assert type(pickle.loads(pickle.dumps(error))) is type(error)
+
+
+def test_a_generated_packages_runtime_error_crosses_as_a_users_mistake():
+    # A generated package carries its own copy of the runtime: its KvgenRuntimeError (say, the Triton interpreter
+    # not set on a CPU) is no KvgenError and its module is not kvgen's, yet it is the user's mistake: the server
+    # must print one line for it, not a traceback.
+    name = "kvgen_generated_test_pkg.runtime.errors"
+    module = sys.modules.setdefault(name, types.ModuleType(name))
+    base = type("KvgenRuntimeError", (Exception,), {"__module__": name})
+    module.KvgenRuntimeError = base
+    try:
+        sub = type("OutOfPages", (base,), {"__module__": name})
+        module.OutOfPages = sub
+        error = portable_error(sub("no free page"))
+        assert type(error) is EngineProcessError and isinstance(error, KvgenError)
+        assert str(error) == "OutOfPages: no free page"
+        assert is_user_error(sub("x")) and not is_user_error(ValueError("x"))
+    finally:
+        sys.modules.pop(name, None)
 
 
 def test_the_engine_process_exits_when_the_server_process_is_killed(tmp_path):
