@@ -88,8 +88,8 @@ class _ChildPort:
     def emit(self, items: list[tuple[Any, Any, bool]], stats: dict[str, Any] | None) -> None:
         self.send(("step", [(encode_output(out), finished) for _, out, finished in items], stats))
 
-    def fail(self, error: BaseException, tags: list[Any]) -> None:
-        self.send(("failed", portable_error(error), tags))
+    def fail(self, error: BaseException, request_ids: list[str]) -> None:
+        self.send(("failed", portable_error(error), request_ids))
 
     def send(self, message: Any) -> None:
         if not self.parent_gone and not self.channel.send(message):

@@ -13,8 +13,8 @@ before the next step is planned.
 
 How commands arrive and outputs leave is the :class:`Port`'s business: a
 queue and ``call_soon_threadsafe`` for the thread, a socket for the
-process. Each output goes out with its request's *tag* (what the port
-needs to route it; the process's port uses the request id).
+process. Each output goes out with its request id; the worker on the
+HTTP side routes it to its stream (:class:`kvgen.serve.worker.WorkerBase`).
 
 Draining (SIGTERM): after :meth:`EngineLoop.drain` requests still
 unfinished at the deadline are aborted; each gets its last delta (what it
@@ -75,11 +75,11 @@ class Port(Protocol):
     def run_commands(self, loop: "EngineLoop") -> None:
         """Run the commands that arrived (each calls a method of ``loop``), without blocking."""
 
-    def emit(self, items: list[tuple[Any, Any, bool]], stats: dict[str, Any] | None) -> None:
-        """Hand over ``(tag, delta output, finished)`` per output and the metrics' counts."""
+    def emit(self, items: list[tuple[str, Any, bool]], stats: dict[str, Any] | None) -> None:
+        """Hand over ``(request id, delta output, finished)`` per output and the metrics' counts."""
 
-    def fail(self, error: BaseException, tags: list[Any]) -> None:
-        """The engine failed with ``error``: end the requests of ``tags``."""
+    def fail(self, error: BaseException, request_ids: list[str]) -> None:
+        """The engine failed with ``error``: end these requests."""
 
 
 class EngineLoop:
@@ -90,24 +90,20 @@ class EngineLoop:
         self.port = port
         self.counter = counter or StepCounter()
         self.error: BaseException | None = None
-        self.sinks: dict[str, Any] = {}  # request id -> its tag, while its outputs still go somewhere
+        self.sinks: set[str] = set()  # ids of the requests whose outputs still go somewhere
         self.deadline: float | None = None
         self.stopping = False
 
     # -- commands (run by the port between steps) -----------------------------------------
-    def add(self, request_ids: Sequence[str], prompts: Sequence[list[int]], params: Any, arrival: float,
-            tags: Sequence[Any] | None = None) -> None:
-        """Add one engine request per prompt; ApiError 400 (and none added) for what the engine refuses.
-
-        ``tags``: per request, what its outputs are handed over with (default: the request id).
-        """
+    def add(self, request_ids: Sequence[str], prompts: Sequence[list[int]], params: Any, arrival: float) -> None:
+        """Add one engine request per prompt; ApiError 400 (and none added) for what the engine refuses."""
         from kvgen.errors import KvgenError
 
         added = []
         try:
-            for i, (rid, ids) in enumerate(zip(request_ids, prompts)):
+            for rid, ids in zip(request_ids, prompts):
                 self.engine.add_request(rid, ids, params, arrival_time=arrival)
-                self.sinks[rid] = rid if tags is None else tags[i]
+                self.sinks.add(rid)
                 added.append(rid)
         except KvgenError as e:
             self._take_back(added)
@@ -119,14 +115,16 @@ class EngineLoop:
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort the requests (their clients went away: one ``abort`` each); their pages are free when this returns."""
         for rid in request_ids:
-            if self.sinks.pop(rid, None) is not None:
+            if rid in self.sinks:
+                self.sinks.discard(rid)
                 self.engine.abort_request(rid)
                 self.counter.aborted(rid)
 
     def _take_back(self, request_ids: Sequence[str]) -> None:
         """Remove the requests of a refused add (its HTTP request got 400): not aborts, counted nowhere."""
         for rid in request_ids:
-            if self.sinks.pop(rid, None) is not None:
+            if rid in self.sinks:
+                self.sinks.discard(rid)
                 self.engine.abort_request(rid)
                 self.counter.forget(rid)
 
@@ -192,27 +190,26 @@ class EngineLoop:
         self._hand_over(outs, force_finished=True)
 
     def _fail_all(self, error: BaseException) -> None:
-        tags = []
-        for rid, tag in list(self.sinks.items()):
+        request_ids = list(self.sinks)
+        for rid in request_ids:
             try:
                 self.engine.abort_request(rid)
             except BaseException:  # noqa: BLE001 -- the engine is already broken; the pages die with it
                 pass
-            tags.append(tag)
         self.sinks.clear()
-        self.port.fail(error, tags)
+        self.port.fail(error, request_ids)
 
     def _hand_over(self, outs: Sequence[Any], force_finished: bool = False) -> None:
         items = []
         sinks = self.sinks
         for out in outs:
-            tag = sinks.get(out.request_id)
-            if tag is None:
+            rid = out.request_id
+            if rid not in sinks:
                 continue  # aborted by its client already
             finished = out.finished or force_finished
             if finished:
-                del sinks[out.request_id]
-            items.append((tag, out, finished))
+                sinks.discard(rid)
+            items.append((rid, out, finished))
         if outs:
             self.counter.count(outs)
         stats = self.counter.take(self.engine)

@@ -99,7 +99,6 @@ class ProcessWorker(WorkerBase):
         super().__init__(max_pending=max_pending, metrics=metrics)
         self.spec = spec
         self._error: BaseException | None = None
-        self._routes: dict[str, tuple[Stream, int, list[int]]] = {}  # request id -> (stream, prompt index, prompt)
         self._replies: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count()
         self._transport: asyncio.Transport | None = None
@@ -228,13 +227,9 @@ class ProcessWorker(WorkerBase):
 
     # -- requests and calls (event loop) ----------------------------------------------------
     async def _add(self, stream: Stream, prompts: Sequence[list[int]], params: Any, arrival: float) -> None:
-        for i, (rid, prompt) in enumerate(zip(stream.request_ids, prompts)):
-            self._routes[rid] = (stream, i, prompt)
         await self._command("add", stream.request_ids, prompts, params, arrival)
 
     def _abort(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self._routes.pop(rid, None)
         if self.alive:
             self._send(None, "abort", (request_ids,))
 
@@ -264,15 +259,11 @@ class ProcessWorker(WorkerBase):
         kind = message[0]
         if kind == "step":
             _, items, stats = message
-            routes = self._routes
             for wire, finished in items:
-                route = routes.get(wire[0])
-                if route is None:
-                    continue  # closed by its handler meanwhile
-                if finished:
-                    del routes[wire[0]]
-                stream, index, prompt = route
-                stream.push(index, decode_output(wire, prompt), finished)
+                route = self._route(wire[0], finished)
+                if route is not None:
+                    stream, index, prompt = route
+                    stream.push(index, decode_output(wire, prompt), finished)
             if self.metrics is not None:
                 self.metrics.apply(stats)
         elif kind == "reply":
@@ -321,11 +312,6 @@ class ProcessWorker(WorkerBase):
                 fut.set_exception(self._not_running())
         if not self._stopping:  # (stopping: stop() ends the streams left)
             self._fail_routes(self._error, list(self._routes))
-
-    def _fail_routes(self, error: BaseException, request_ids: list[str]) -> None:
-        """Fail the streams of ``request_ids`` with ``error``; their outputs go nowhere from now on."""
-        routes = [self._routes.pop(rid, None) for rid in request_ids]
-        self._fail_streams([route[0] for route in routes if route is not None], error)
 
     # -- ending the process ---------------------------------------------------------------------
     def _start_reaping(self) -> asyncio.Future:

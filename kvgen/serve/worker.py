@@ -91,6 +91,11 @@ class WorkerBase(abc.ABC):
     429. ``metrics``: a :class:`kvgen.serve.metrics.ServeMetrics` (or None),
     given the engine's counts after every step. Subclasses send the
     commands (``_add``, ``_abort``, ``_command``) and set ``info``.
+
+    Routing lives here, once for both workers: each engine request's id maps
+    to its stream, prompt index and prompt token ids from :meth:`submit`
+    until its last output arrives (:meth:`_route`) or its handler closes
+    the stream; outputs of ids no longer routed (closed meanwhile) go nowhere.
     """
 
     info: EngineInfo
@@ -101,6 +106,7 @@ class WorkerBase(abc.ABC):
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[int, Stream] = {}  # live streams by id (submitted, not closed yet)
+        self._routes: dict[str, tuple[Stream, int, list[int]]] = {}  # request id -> (stream, prompt index, prompt)
         self._pending = 0  # engine requests submitted and not yet closed
         self._ids = itertools.count()
 
@@ -130,6 +136,8 @@ class WorkerBase(abc.ABC):
         stream = Stream([f"{base}-{i}" for i in range(len(prompts))])
         self._pending += len(prompts)
         self._streams[id(stream)] = stream
+        for i, (rid, prompt) in enumerate(zip(stream.request_ids, prompts)):
+            self._routes[rid] = (stream, i, prompt)
         try:
             await self._add(stream, prompts, params, arrival)
         except BaseException:
@@ -144,6 +152,8 @@ class WorkerBase(abc.ABC):
         self._pending -= len(stream.request_ids)
         unfinished = [r for r in stream.request_ids if r not in stream.finished]
         if unfinished:
+            for rid in unfinished:
+                self._routes.pop(rid, None)
             self._abort(unfinished)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -162,6 +172,20 @@ class WorkerBase(abc.ABC):
 
     def _not_running(self) -> ApiError:
         return ApiError(503, "the engine is not running", type="service_unavailable", headers={"Retry-After": "5"})
+
+    def _route(self, request_id: str, finished: bool) -> tuple[Stream, int, list[int]] | None:
+        """Where an output of ``request_id`` goes: ``(stream, prompt index, prompt)``, or None (closed meanwhile).
+
+        ``finished``: the request's last output; its route is dropped.
+        """
+        if finished:
+            return self._routes.pop(request_id, None)
+        return self._routes.get(request_id)
+
+    def _fail_routes(self, error: BaseException, request_ids: Iterable[str]) -> None:
+        """Fail the streams of ``request_ids`` with ``error``; their outputs go nowhere from now on."""
+        routes = [self._routes.pop(rid, None) for rid in request_ids]
+        self._fail_streams([route[0] for route in routes if route is not None], error)
 
     def _fail_streams(self, streams: Iterable[Stream], error: BaseException) -> None:
         """End each of ``streams`` (once, if listed more than once) with ``error``."""
@@ -227,16 +251,15 @@ class _ThreadPort:
     def emit(self, items: list[tuple[Any, Any, bool]], stats: dict[str, Any] | None) -> None:
         self.worker.loop.call_soon_threadsafe(self.worker._on_step, items, stats)
 
-    def fail(self, error: BaseException, tags: list[Any]) -> None:
-        if tags:
-            self.worker.loop.call_soon_threadsafe(self.worker._fail_streams, [stream for stream, _ in tags], error)
+    def fail(self, error: BaseException, request_ids: list[str]) -> None:
+        if request_ids:
+            self.worker.loop.call_soon_threadsafe(self.worker._fail_routes, error, request_ids)
 
 
 class EngineWorker(WorkerBase):
     """Runs ``engine`` (an :class:`kvgen.engine.LLMEngine`) on a background thread for an asyncio server.
 
-    Outputs go to their streams with tags ``(stream, prompt index)``; the
-    engine's own tokenizer object is ``info.tokenizer`` (the Prompter copies it).
+    The engine's own tokenizer object is ``info.tokenizer`` (the Prompter copies it).
     """
 
     def __init__(self, engine: Any, *, max_pending: int, metrics: Any = None) -> None:
@@ -306,8 +329,7 @@ class EngineWorker(WorkerBase):
 
     # -- requests and calls (event loop) ----------------------------------------------------
     async def _add(self, stream: Stream, prompts: Sequence[list[int]], params: Any, arrival: float) -> None:
-        tags = [(stream, i) for i in range(len(prompts))]
-        await self._run(lambda loop: loop.add(stream.request_ids, prompts, params, arrival, tags))
+        await self._run(lambda loop: loop.add(stream.request_ids, prompts, params, arrival))
 
     def _abort(self, request_ids: list[str]) -> None:
         self._port.put(lambda loop: loop.abort(request_ids))
@@ -353,10 +375,12 @@ class EngineWorker(WorkerBase):
             if not fut.done():
                 fut.set_exception(self._not_running())
 
-    def _on_step(self, items: list[tuple[Any, Any, bool]], stats: dict[str, Any] | None) -> None:
+    def _on_step(self, items: list[tuple[str, Any, bool]], stats: dict[str, Any] | None) -> None:
         """On the event loop: one step's outputs to their streams, its counts to the metrics."""
-        for (stream, index), out, finished in items:
-            stream.push(index, out, finished)
+        for rid, out, finished in items:
+            route = self._route(rid, finished)
+            if route is not None:
+                route[0].push(route[1], out, finished)
         if self.metrics is not None:
             self.metrics.apply(stats)
 

@@ -47,7 +47,7 @@ class ScriptPort:
         for reason, n in (stats or {}).get("finished", {}).items():
             self.finished[reason] = self.finished.get(reason, 0) + n
 
-    def fail(self, error, tags) -> None:
+    def fail(self, error, request_ids) -> None:
         raise AssertionError(f"the engine failed: {error!r}")
 
 
