@@ -335,9 +335,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command != "plugins":  # that one shows the failures as its output
             _warn_failed_plugins()
         return code
-    except KvgenError as exc:
-        print(f"kvgen: error: {exc}", file=sys.stderr)
-        return 2
     except BrokenPipeError:
         return 0
     except Exception as exc:

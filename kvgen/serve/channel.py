@@ -41,7 +41,11 @@ BUFFER_BYTES = 4 << 20
 
 
 class EngineProcessError(KvgenError):
-    """The engine process could not start or exited, or something it sent cannot be read here (or the reverse)."""
+    """The engine process could not start or exited, or something it sent cannot be read here (or the reverse).
+
+    Also the stand-in for a user's mistake the engine process raised whose
+    class the server cannot import (see :func:`portable_error`).
+    """
 
 
 class BadFrame:

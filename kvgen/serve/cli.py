@@ -22,9 +22,6 @@ from pathlib import Path
 from kvgen.engine.cli import host_tokens_arg
 from kvgen.errors import KvgenError
 
-HELP = "serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)"
-
-
 class ServeError(KvgenError):
     """A bad ``kvgen serve`` setting, or the ``serve`` extra is not installed."""
 

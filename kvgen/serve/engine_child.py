@@ -85,7 +85,7 @@ class _ChildPort:
             ok, payload = False, dumps(portable_error(e))
         self.send(("reply", token, ok, payload))
 
-    def emit(self, items: list[tuple[Any, Any, bool]], stats: dict[str, Any] | None) -> None:
+    def emit(self, items: list[tuple[str, Any, bool]], stats: dict[str, Any] | None) -> None:
         self.send(("step", [(encode_output(out), finished) for _, out, finished in items], stats))
 
     def fail(self, error: BaseException, request_ids: list[str]) -> None:
@@ -98,7 +98,7 @@ class _ChildPort:
 
 def child_main(spec: Any, sock: Any) -> None:
     """The engine process's entry point (see the module); ``sock``: its end of the socket pair."""
-    from kvgen.errors import KvgenError
+    from kvgen.errors import is_user_error
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _ignore)  # a Python handler, unlike SIG_IGN, is not inherited by the ranks it starts
@@ -109,7 +109,7 @@ def child_main(spec: Any, sock: Any) -> None:
         prepare_engine(engine)
         info = engine_info(engine)
     except BaseException as e:  # noqa: BLE001 -- the parent raises it
-        if not isinstance(e, KvgenError):
+        if not is_user_error(e):  # a user's mistake is one line, printed by the server
             traceback.print_exc()
         channel.send(("error", portable_error(e)))
         sys.exit(1)

@@ -36,8 +36,11 @@ engine core runs in its own process instead:
   sequences) from the engine process's last message and waits for it to exit.
 
 The construction blocks until the engine is built (or raises its error:
-a KvgenError as it is, so ``kvgen serve`` prints one line; an
-EngineProcessError after ``EngineSpec.start_timeout``).
+a user's mistake -- a KvgenError, or the runtime's KvgenRuntimeError -- so
+that ``kvgen serve`` prints one line (kvgen's own classes as they are, a
+generated package's copy as an EngineProcessError, see
+:func:`~.channel.portable_error`); an EngineProcessError after
+``EngineSpec.start_timeout``).
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ class EngineSpec:
 
     ``factory``: a module-level function (pickled by name), or its name as
     ``"package.module:function"`` (imported in the engine process only: the
-    server's process then never imports what the factory needs, e.g. torch).
+    server's process then never imports what the factory needs; ``kvgen
+    serve`` itself still imports torch there once, to ask whether a GPU exists).
     As with any ``spawn`` start, the engine process imports the main
     script again (as ``__mp_main__``): a script that serves an EngineSpec
     keeps its top-level code under ``if __name__ == "__main__":``.

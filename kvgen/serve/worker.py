@@ -204,6 +204,7 @@ class WorkerBase(abc.ABC):
         """
         error = ApiError(503, "the server stopped before this request finished", type="service_unavailable")
         self._fail_streams([s for s in self._streams.values() if not s.ended], error)
+        self._routes.clear()  # a step still running (a stuck thread) hands its outputs to nobody
 
     @abc.abstractmethod
     async def _add(self, stream: Stream, prompts: Sequence[list[int]], params: Any, arrival: float) -> None:
@@ -248,7 +249,7 @@ class _ThreadPort:
                 return
             command(loop)
 
-    def emit(self, items: list[tuple[Any, Any, bool]], stats: dict[str, Any] | None) -> None:
+    def emit(self, items: list[tuple[str, Any, bool]], stats: dict[str, Any] | None) -> None:
         self.worker.loop.call_soon_threadsafe(self.worker._on_step, items, stats)
 
     def fail(self, error: BaseException, request_ids: list[str]) -> None:

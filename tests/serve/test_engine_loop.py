@@ -95,8 +95,8 @@ def test_a_drain_hands_over_only_what_each_request_was_not_sent():
     engine = table_engine()
     port = run_script(engine, add(["a-0"], [[1, 2, 3]], n=2, max_tokens=100, logprobs=2, stop=["never said"]),
                       step, step, step, lambda loop: loop.drain(time.monotonic()))
-    tag, last, finished = port.items[-1]
-    assert tag == "a-0" and finished and [c.finish_reason for c in last.outputs] == ["abort", "abort"]
+    rid, last, finished = port.items[-1]
+    assert rid == "a-0" and finished and [c.finish_reason for c in last.outputs] == ["abort", "abort"]
     assert all(c.token_ids == [] and c.text for c in last.outputs)  # the held-back text only: no tokens again
     for index in (0, 1):
         got = [c for _, out, _ in port.items for c in out.outputs if c.index == index]

@@ -108,10 +108,9 @@ def test_calls_and_the_engine_process_exiting_when_the_servers_end_of_the_socket
             assert await call(w, _num_requests) == 0
             assert w.alive
             w._transport.close()  # what the kernel does when the server's process dies
-            await asyncio.sleep(0.1)  # connection_lost runs: the worker starts reaping the process
-            # The worker's own reaper joins it (killed after EXIT_TIMEOUT_S): a second join on another thread
-            # races it for waitpid and may see no exit code at all.
-            await asyncio.wait_for(asyncio.shield(w._reaping), 30)
+            # The worker's own reaper joins it (killed after EXIT_TIMEOUT_S; connection_lost starts it, or this
+            # call): a second join on another thread races it for waitpid and may see no exit code at all.
+            await asyncio.wait_for(asyncio.shield(w._start_reaping()), 30)
             assert w._proc.exitcode == 0  # it noticed, aborted what it held and exited normally
             assert not w.alive
         finally:

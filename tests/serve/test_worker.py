@@ -5,8 +5,11 @@ thread) takes no lock the code it interrupted may hold. ``stop`` with
 streams still open ends every one of them -- with its last output (finish
 reason ``abort``) from an engine that stops, or ApiError 503 from one
 killed past the stop timeout -- and fails the calls still waiting for an
-answer. (Start-up, failures and drains through HTTP are tested in
-test_engine_process, test_api and test_stories.)
+answer. Both route outputs the same way: a failing step ends every open
+stream with 500, a closed stream gets nothing more, and a drain's deadline
+counts from ``begin_drain``, not from when the busy engine reads it.
+(Start-up and drains through HTTP are tested in test_engine_process,
+test_api and test_stories.)
 """
 
 from __future__ import annotations
@@ -24,9 +27,24 @@ from kvgen.serve.engine_process import ProcessWorker  # noqa: E402
 from kvgen.serve.protocol import ApiError  # noqa: E402
 from kvgen.serve.worker import EngineWorker  # noqa: E402
 
-from .helpers import engine_sleep, table_engine, table_spec  # noqa: E402
+from .helpers import engine_all_free, engine_sleep, table_engine, table_spec  # noqa: E402
 
 LONG = SamplingParams(max_tokens=200, temperature=0)
+KINDS = ["thread", "process"]
+
+
+def _worker(kind: str, delay: float):
+    if kind == "thread":
+        return EngineWorker(table_engine(delay=delay), max_pending=4)
+    return ProcessWorker(table_spec(delay=delay), max_pending=4)
+
+
+def break_steps(engine) -> None:
+    """Run on the engine: every later step raises (as a CUDA error would)."""
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    engine.runner.run = boom
 
 
 async def _running_stream(worker):
@@ -92,5 +110,66 @@ def test_stop_of_a_stuck_engine_process_fails_open_streams_and_waiting_calls():
         with pytest.raises(ApiError) as e:
             await asyncio.wait_for(stuck, 5)
         assert e.value.status == 503
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failing_step_ends_every_open_stream_with_500(kind):
+    async def go():
+        w = _worker(kind, 0.02)
+        await w.start()
+        try:
+            streams = [await _running_stream(w) for _ in range(2)]
+            await w.call(break_steps)
+            for stream in streams:
+                with pytest.raises(ApiError) as e:
+                    await asyncio.wait_for(_rest(stream), 30)
+                assert e.value.status == 500 and "boom" in e.value.message
+            assert not w.alive and not w._routes
+        finally:
+            await w.stop()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_closed_stream_gets_nothing_more_and_its_pages_are_freed(kind):
+    async def go():
+        w = _worker(kind, 0.02)
+        await w.start()
+        try:
+            stream = await _running_stream(w)
+            w.close(stream)  # its client went away while a step was running
+            assert not w._routes
+            await asyncio.sleep(0.3)  # more than ten steps' time
+            assert not stream._latest  # the step in flight when it closed pushed nothing into it
+            assert await w.call(engine_all_free)
+        finally:
+            await w.stop()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_drain_deadline_counts_from_begin_drain_not_from_when_the_busy_engine_reads_it(kind):
+    async def go():
+        w = _worker(kind, 0.02)
+        await w.start()
+        try:
+            stream = await _running_stream(w)
+            busy = asyncio.ensure_future(w.call(engine_sleep, 2.0))  # the drain command waits behind this call
+            await asyncio.sleep(0.1)
+            started = time.monotonic()
+            w.begin_drain(1.0)
+            outs = await asyncio.wait_for(_rest(stream), 30)
+            elapsed = time.monotonic() - started
+            await busy
+            assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+            # deadline 1.0 s after begin_drain, passed while the engine was busy: aborted as soon as it is free
+            # (counted from when the engine read the command, it would be 1.9 + 1.0 s)
+            assert 1.0 <= elapsed < 2.6, elapsed
+        finally:
+            await w.stop()
 
     asyncio.run(go())
