@@ -34,9 +34,23 @@ KINDS = ["thread", "process"]
 
 
 def _worker(kind: str, delay: float):
+    """A worker of ``kind`` ("thread" or "process") over the stand-in engine whose steps take ``delay`` s."""
     if kind == "thread":
         return EngineWorker(table_engine(delay=delay), max_pending=4)
     return ProcessWorker(table_spec(delay=delay), max_pending=4)
+
+
+def _run_started(kind: str, body) -> None:
+    """``await body(worker)`` with a started worker of ``kind`` (steps of 20 ms), stopped afterwards."""
+    async def go():
+        w = _worker(kind, 0.02)
+        await w.start()
+        try:
+            await body(w)
+        finally:
+            await w.stop()
+
+    asyncio.run(go())
 
 
 def break_steps(engine) -> None:
@@ -116,60 +130,45 @@ def test_stop_of_a_stuck_engine_process_fails_open_streams_and_waiting_calls():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_failing_step_ends_every_open_stream_with_500(kind):
-    async def go():
-        w = _worker(kind, 0.02)
-        await w.start()
-        try:
-            streams = [await _running_stream(w) for _ in range(2)]
-            await w.call(break_steps)
-            for stream in streams:
-                with pytest.raises(ApiError) as e:
-                    await asyncio.wait_for(_rest(stream), 30)
-                assert e.value.status == 500 and "boom" in e.value.message
-            assert not w.alive and not w._routes
-        finally:
-            await w.stop()
+    async def body(w):
+        streams = [await _running_stream(w) for _ in range(2)]
+        await w.call(break_steps)
+        for stream in streams:
+            with pytest.raises(ApiError) as e:
+                await asyncio.wait_for(_rest(stream), 30)
+            assert e.value.status == 500 and "boom" in e.value.message
+        assert not w.alive and not w._routes
 
-    asyncio.run(go())
+    _run_started(kind, body)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_closed_stream_gets_nothing_more_and_its_pages_are_freed(kind):
-    async def go():
-        w = _worker(kind, 0.02)
-        await w.start()
-        try:
-            stream = await _running_stream(w)
-            w.close(stream)  # its client went away while a step was running
-            assert not w._routes
-            await asyncio.sleep(0.3)  # more than ten steps' time
-            assert not stream._latest  # the step in flight when it closed pushed nothing into it
-            assert await w.call(engine_all_free)
-        finally:
-            await w.stop()
+    async def body(w):
+        stream = await _running_stream(w)
+        w.close(stream)  # its client went away while a step was running
+        assert not w._routes
+        await asyncio.sleep(0.3)  # more than ten steps' time
+        assert not stream._latest  # the step in flight when it closed pushed nothing into it
+        assert await w.call(engine_all_free)
 
-    asyncio.run(go())
+    _run_started(kind, body)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_drain_deadline_counts_from_begin_drain_not_from_when_the_busy_engine_reads_it(kind):
-    async def go():
-        w = _worker(kind, 0.02)
-        await w.start()
-        try:
-            stream = await _running_stream(w)
-            busy = asyncio.ensure_future(w.call(engine_sleep, 3.0))  # the drain command waits behind this call
-            await asyncio.sleep(0.1)
-            started = time.monotonic()
-            w.begin_drain(2.0)
-            outs = await asyncio.wait_for(_rest(stream), 30)
-            elapsed = time.monotonic() - started
-            await busy
-            assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
-            # deadline 2 s after begin_drain, passed while the engine was busy: aborted as soon as it is free,
-            # about 2.9 s after begin_drain (counted from when the engine read the command: 2.9 + 2 s)
-            assert 2.0 <= elapsed < 4.0, elapsed
-        finally:
-            await w.stop()
+    async def body(w):
+        stream = await _running_stream(w)
+        busy = asyncio.ensure_future(w.call(engine_sleep, 3.0))  # the drain command waits behind this call
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        w.begin_drain(2.0)
+        outs = await asyncio.wait_for(_rest(stream), 30)
+        elapsed = time.monotonic() - started
+        await busy
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        # deadline 2 s after begin_drain, passed while the engine was busy: aborted as soon as it is free,
+        # about 2.9 s after begin_drain (counted from when the engine read the command: 2.9 + 2 s)
+        assert 2.0 <= elapsed < 4.0, elapsed
 
-    asyncio.run(go())
+    _run_started(kind, body)
