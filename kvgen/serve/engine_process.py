@@ -61,7 +61,7 @@ from .channel import (BadFrame, EngineProcessError, FrameReader, ParentProtocol,
                       load_payload, socket_pair)
 from .engine_child import child_main
 from .stream import Stream
-from .worker import STOP_TIMEOUT_S, WorkerBase, hold_interpreter
+from .worker import STOP_TIMEOUT_S, WorkerBase
 
 START_TIMEOUT_S = 1800.0
 """How long the engine process may take to build the engine by default (a large model's weights from a slow disk)."""
@@ -111,7 +111,6 @@ class ProcessWorker(WorkerBase):
         self._gone = False  # the engine process exited (or its socket closed)
         self._stopping = False
         self._reaping: asyncio.Future | None = None
-        self._held = False
         self._launch()
 
     @property
@@ -179,8 +178,7 @@ class ProcessWorker(WorkerBase):
         protocol = ParentProtocol(self._reader, self._on_message, self._on_lost)
         self._transport, _ = await loop.create_unix_connection(lambda: protocol, sock=self._sock)
         loop.add_reader(self._proc.sentinel, self._on_exit)
-        hold_interpreter(True)
-        self._held = True
+        self._hold(True)
 
     async def stop(self, timeout: float = STOP_TIMEOUT_S) -> dict[str, int] | None:
         """Stop the engine process and wait for it (off the event loop); its summary (None if it had died).
@@ -206,9 +204,7 @@ class ProcessWorker(WorkerBase):
         self._end_streams()
         self.loop.remove_reader(self._proc.sentinel)
         self._transport.close()
-        if self._held:
-            self._held = False
-            hold_interpreter(False)
+        self._hold(False)
         return self._summary
 
     def begin_drain(self, timeout: float) -> None:

@@ -109,6 +109,7 @@ class WorkerBase(abc.ABC):
         self._routes: dict[str, tuple[Stream, int, list[int]]] = {}  # request id -> (stream, prompt index, prompt)
         self._pending = 0  # engine requests submitted and not yet closed
         self._ids = itertools.count()
+        self._held = False  # this worker counts in hold_interpreter (from start to stop)
 
     @property
     @abc.abstractmethod
@@ -169,6 +170,12 @@ class WorkerBase(abc.ABC):
         stats = await self._command("stats")
         if self.metrics is not None:
             self.metrics.apply(stats)
+
+    def _hold(self, on: bool) -> None:
+        """Count this worker in :func:`hold_interpreter` (start) or stop counting it (stop; once, idempotent)."""
+        if on != self._held:
+            self._held = on
+            hold_interpreter(on)
 
     def _not_running(self) -> ApiError:
         return ApiError(503, "the engine is not running", type="service_unavailable", headers={"Retry-After": "5"})
@@ -273,14 +280,12 @@ class EngineWorker(WorkerBase):
         self._thread: threading.Thread | None = None
         self._ended = False
         self._waiting: set[asyncio.Future] = set()  # commands' futures not settled yet
-        self._held = False
 
     # -- life cycle (event loop) ----------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._main, name="kvgen-engine", daemon=True)
-        hold_interpreter(True)
-        self._held = True
+        self._hold(True)
         self._thread.start()
 
     async def stop(self, timeout: float = STOP_TIMEOUT_S) -> dict[str, int] | None:
@@ -296,9 +301,7 @@ class EngineWorker(WorkerBase):
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
         self._thread_ended()  # after the thread's own callbacks (queued before it ended): only what is left
         self._end_streams()
-        if self._held:
-            self._held = False
-            hold_interpreter(False)
+        self._hold(False)
         if self._thread is not None and self._thread.is_alive():
             return None  # still inside a step: reading the engine here would race it (as a dead process's: None)
         return engine_summary(self.engine)
