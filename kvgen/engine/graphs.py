@@ -68,16 +68,21 @@ class DecodeGraphs:
         kinds = (False, True) if self.residual else (False,)
         variants = [(b, conv) for b in reversed(self.buckets) for conv in kinds] if capture else []
         pool = None
+        # Warm-up and capture on one stream of ours: per-stream state that kernels allocate on first use
+        # (the decode kernel's split arrival counters) then exists before the capture, not inside it.
+        stream = torch.cuda.Stream(dev) if capture else None
         for i, key in enumerate(variants):
             b = key[0]
             if verbose:
                 print(f"\rkvgen: capturing decode graphs {i + 1}/{len(variants)} (batch {b})",
                       end="", file=sys.stderr, flush=True)
             attend = self._attend(*key)
-            model(self.ids[:b], self.pos[:b], attend)  # warm-up: Triton compiles outside the capture
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                model(self.ids[:b], self.pos[:b], attend)  # warm-up: Triton compiles outside the capture
             torch.cuda.synchronize(dev)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with torch.cuda.graph(g, pool=pool, stream=stream):
                 self.outputs[key] = model(self.ids[:b], self.pos[:b], attend)
             pool = g.pool()
             self.graphs[key] = g

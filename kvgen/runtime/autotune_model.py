@@ -23,7 +23,7 @@ MAX_CANDIDATES = 8
 # decode_sweep, decode_pages, session3): the best configs read whole 128-token tiles
 # (8 pages of 16) with 4 warps; stages 2 and 3 are within 1%. Splits only pay while
 # batch x KV heads leaves SMs idle: at 256+ programs (B=32/64 x 8 heads) one split
-# (no reduce kernel) is best or within 2.5%; below one program per SM the winners
+# (no split combine) is best or within 2.5%; below one program per SM the winners
 # run about 4 programs per SM (B=8 x 8 heads: 10-20 splits; B=16 x 4 heads at D=64:
 # 10-20; B=1 x 8 heads: 33-66).
 DECODE_TILE_TOKENS = 128

@@ -16,9 +16,9 @@ What the scenarios cover (:func:`scenarios`):
 - decode, for each compiled variant (tile, warps, stages) the autotuner can
   return -- its model default over every power-of-two bucket, and every valid
   winner persisted for this kernel -- with one split (the direct kernel), a
-  few splits, and 16 splits (Triton specializes counts divisible by 16); the
-  split-reduce kernel takes its count as a runtime argument, so these also
-  build it;
+  few splits, and 16 splits (Triton specializes counts divisible by 16); a
+  split launch is the same kernel with its combine step (the last split of a
+  group merges the partials), so these build that variant too;
 - prefill (fresh chunk, ``prefill(layer, q, k, v)``), for each compiled
   variant of its default over the buckets and of its persisted winners;
 - cache_write with 1, a few, 16 and thousands of tokens per step (the fills),
@@ -183,7 +183,7 @@ def scenarios(cache: Any) -> list[Scenario]:
             if n <= max_splits:
                 # at least n tiles per sequence, so the launch keeps n splits (it caps them at the tiles)
                 out.append(Scenario("decode", WARM_BATCH, n * tile + (1 if n % 2 else 0), 1, dict(v, num_splits=n),
-                                    why=f"decode with {n} splits and the split-reduce kernel; a long fill"))
+                                    why=f"decode with {n} splits (the variant that combines splits); a long fill"))
     first = dict(variants[0], num_splits=1) if variants else None
     out.append(Scenario("decode", 1, P, 1, first, why="a one-token step (Triton specializes the count 1)"))
     out.append(Scenario("decode", 16, P, 1, first, why="a 16-token step (Triton specializes counts % 16)"))

@@ -132,6 +132,26 @@ def test_decode_zero_length(scheme, splits):
     assert torch.equal(out.float().cpu(), torch.zeros_like(out.float().cpu()))
 
 
+@pytest.mark.parametrize("scheme", ["bf16" if not hz.on_cpu() else "fp16", "int4"])
+def test_decode_split_arrival_counters_are_left_zero_and_reused(scheme):
+    """The last split of each (sequence, KV head) combines the partials and zeroes its counter: launches
+    of different batches and split counts back to back all stay exact, and no counter is left nonzero
+    (a leftover count would make a later launch combine before every split has written)."""
+    case = _one_case(scheme, gqa=4)
+    w = hz.residual_window(case.scheme_obj)
+    runs = [([w + 9 * case.page_size + 3, 5], 3), ([w + 2, w + 7 * case.page_size, 0, 40], 7),
+            ([w + 9 * case.page_size + 3, 5], 2)]
+    counters = None
+    for i, (lengths, splits) in enumerate(runs):
+        out, ref, cache, _ = run_decode(case, lengths, config={"num_splits": splits, "pages_per_tile": 1}, seed=20 + i)
+        hz.check(case, out, ref, f"launch {i}: {splits} splits over {lengths}")
+        mod = hz.load_op("decode", case.scheme, case.head_dim, case.num_kv_heads, case.gqa, case.page_size,
+                         case.dtype, dev=hz.device())
+        counters = [c for c in mod._COUNTERS.values() if c.device.type == out.device.type]
+        assert counters and all(int(c.count_nonzero()) == 0 for c in counters)
+        assert sum(c.numel() for c in counters) >= len(lengths) * case.num_kv_heads
+
+
 @pytest.mark.parametrize("scheme", hz.scheme_matrix())
 def test_decode_default_config_and_candidates(scheme):
     case = _one_case(scheme)
