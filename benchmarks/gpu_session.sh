@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -50,6 +50,19 @@ if [ "$what" = open-checks ]; then
     tests/engine >"$OUT/pytest-engine-gpu.log" 2>&1; echo "engine GPU tests: exit $?"; tail -3 "$OUT/pytest-engine-gpu.log"
   timeout 100 python3 -m benchmarks.engine --parts kvbound --kv bf16,int4 --no-hf --out "$OUT/engine_kvbound.json" \
     >"$OUT/engine_kvbound.log" 2>&1; echo "engine kvbound: exit $?"; tail -6 "$OUT/engine_kvbound.log" | cut -c1-260
+fi
+if [ "$what" = decode-combine ]; then
+  # The decode kernel's in-kernel split combine (no reduce kernel), about 9 minutes: its GPU tests, decode
+  # of bf16/int8/int4 at every ANCHORS shape (SDPA and the kernels timed in one process), then where an
+  # engine decode step goes now (graphs vs kernels vs roofline).
+  timeout 120 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/kernels/test_decode_matrix.py >"$OUT/pytest-gpu-decode.log" 2>&1
+  echo "decode GPU tests: exit $? (124: cut)"; tail -3 "$OUT/pytest-gpu-decode.log"
+  timeout 200 python3 -m benchmarks.run --ops decode --schemes bf16,int8,int4 --out "$OUT/decode" \
+    >"$OUT/decode.log" 2>&1; echo "decode bench: exit $?"; grep -E "decode" "$OUT/decode.log" | tail -12 | cut -c1-260
+  timeout 200 python3 -m benchmarks.engine_profile --kv bf16,int4 --shapes 32x2048,1x16384 \
+    --out "$OUT/engine_profile.json" >"$OUT/engine_profile.log" 2>&1; echo "engine profile: exit $?"
+  tail -8 "$OUT/engine_profile.log" | cut -c1-260
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"
