@@ -11,6 +11,9 @@ sequences to L tokens, then measures for each shape and scheme:
   engine's async scheduling on (step n+1 planned while step n runs), on the
   same engine right after ``graph_ms``;
 - ``eager_ms``: the same without graphs;
+- ``graph_kernels`` / ``graph_kernel_ms`` / ``graph_groups``: the same
+  profile over graph steps (the kernels a replay runs, with the configs
+  fixed at capture), so ``graph_ms - graph_kernel_ms`` is the gaps alone;
 - ``kernels``: torch.profiler over ``--steps`` eager steps, kernel name ->
   device µs per step, largest first, and ``kernel_ms`` their sum; with
   ``groups`` summing them by kind (gemm, attention, cache write, norm, rope,
@@ -66,6 +69,37 @@ def timed_steps(eng, steps: int) -> float:
     return (time.perf_counter() - t) * 1e3 / steps
 
 
+def profiled_kernels(eng, steps: int) -> dict[str, float]:
+    """Device µs per step by kernel name over ``steps`` engine steps (torch.profiler; graph replays included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed_steps(eng, steps)
+    per_kernel: dict[str, float] = collections.defaultdict(float)
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None)
+        if t is None:
+            t = getattr(evt, "cuda_time_total", 0.0)
+        if t and evt.key and not evt.key.startswith(("ProfilerStep", "cudaLaunch", "cudaGraphLaunch", "Memcpy",
+                                                      "Memset")) \
+                and evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[evt.key] += t / steps
+    return dict(per_kernel)
+
+
+def grouped(per_kernel: dict[str, float]) -> dict[str, float]:
+    """ms per step by kernel group, largest first."""
+    groups: dict[str, float] = collections.defaultdict(float)
+    for name, us in per_kernel.items():
+        groups[group_of(name)] += us
+    return {k: round(v / 1e3, 4) for k, v in sorted(groups.items(), key=lambda kv_: -kv_[1])}
+
+
+def top_kernels(per_kernel: dict[str, float], n: int = 25) -> list[dict]:
+    return [dict(name=k[:160], us=round(us, 2), group=group_of(k))
+            for k, us in sorted(per_kernel.items(), key=lambda kv_: -kv_[1])[:n]]
+
+
 def profile_case(kv: str, B: int, L: int, steps: int, bw: float, async_scheduling: bool = False) -> dict:
     from kvgen.engine import SamplingParams
 
@@ -87,34 +121,21 @@ def profile_case(kv: str, B: int, L: int, steps: int, bw: float, async_schedulin
         if eng.num_async_steps - a0 != steps:
             log(f"async scheduling overlapped only {eng.num_async_steps - a0} of {steps} steps")
         eng.async_scheduling = False  # drains the step in flight
-    graphs, eng.runner.graphs = eng.runner.graphs, None  # eager: the profiler names every kernel
+    graph_kernels = profiled_kernels(eng, steps)  # the kernels the graphs replay (their own configs)
+    graphs, eng.runner.graphs = eng.runner.graphs, None  # eager: the runtime's tuned configs
     eng.step()
     eager_ms = timed_steps(eng, steps)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        timed_steps(eng, steps)
+    per_kernel = profiled_kernels(eng, steps)
     eng.runner.graphs = graphs
-    per_kernel: dict[str, float] = collections.defaultdict(float)
-    for evt in prof.key_averages():
-        t = getattr(evt, "device_time_total", None)
-        if t is None:
-            t = getattr(evt, "cuda_time_total", 0.0)
-        if t and evt.key and not evt.key.startswith(("ProfilerStep", "cudaLaunch", "Memcpy", "Memset")) \
-                and evt.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[evt.key] += t / steps
-    groups: dict[str, float] = collections.defaultdict(float)
-    for name, us in per_kernel.items():
-        groups[group_of(name)] += us
     kv_bytes = B * (L + steps) * eng.plan.kv_bytes_per_token
     w = weight_bytes(eng)
     rec = dict(kind="profile", kv=kv, B=B, context=L, steps=steps, graph_ms=graph_ms, eager_ms=eager_ms,
                **({} if graph_async_ms is None else dict(graph_async_ms=graph_async_ms)),
                kernel_ms=sum(per_kernel.values()) / 1e3, roofline_ms=(w + kv_bytes) / bw * 1e3,
                weight_roofline_ms=w / bw * 1e3, kv_roofline_ms=kv_bytes / bw * 1e3,
-               groups={k: round(v / 1e3, 4) for k, v in sorted(groups.items(), key=lambda kv_: -kv_[1])},
-               kernels=[dict(name=n[:160], us=round(us, 2), group=group_of(n))
-                        for n, us in sorted(per_kernel.items(), key=lambda kv_: -kv_[1])[:25]])
+               groups=grouped(per_kernel), kernels=top_kernels(per_kernel),
+               graph_kernel_ms=sum(graph_kernels.values()) / 1e3, graph_groups=grouped(graph_kernels),
+               graph_kernels=top_kernels(graph_kernels))
     holder = [eng]
     del eng
     release(holder)
@@ -147,7 +168,7 @@ def main(argv=None) -> int:
             except Exception as e:  # one failing case must not lose the rest
                 log(f"{kv} {shape} failed: {type(e).__name__}: {e}")
                 continue
-            log(json.dumps({k: v for k, v in rec.items() if k != "kernels"}))
+            log(json.dumps({k: v for k, v in rec.items() if k not in ("kernels", "graph_kernels")}))
             for k in rec["kernels"][:12]:
                 log(f"  {k['us']:9.1f} us  {k['group']:12s} {k['name'][:100]}")
             records.append(rec)
