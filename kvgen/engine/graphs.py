@@ -18,8 +18,9 @@ the same page twice writes the same bytes). A step replays when it is a
 pure decode step in a single phase without copy-on-write copies (the first
 step after a fork has them) and without cold pages (a host tier's pages
 staged inside the layer loop); anything else runs eagerly through the
-runtime (the same model code). Kernel configs are the kernels' shape
-defaults (graphs fix them at capture).
+runtime (the same model code). The decode config is fixed at capture: the
+runtime's choice for the bucket's batch at the longest context
+(``KVCache.kernel_config``).
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ class DecodeGraphs:
         cache = self.cache
         write, decode = cache.kernels["cache_write"], cache.kernels["decode"]
         quantize = cache.kernels.get("page_quantize") if convert else None
+        # the runtime's config for this batch at the longest context (a graph serves every length up to it;
+        # the kernel divides each sequence's pages among its splits); a package whose runtime predates
+        # kernel_config gets the kernel's shape default
+        pick = getattr(cache, "kernel_config", None)
+        config = pick("decode", (b, self.max_pages * cache.page_size)) if pick is not None else None
         slots, tables = self.slots[:b], self.block_tables[:b]
         lens, ncomp = self.seq_lens[:b], self.num_compressed[:b]
         src, dst = self.conv_src[:b], self.conv_dst[:b]
@@ -105,7 +111,7 @@ class DecodeGraphs:
             if quantize is not None:
                 quantize.launch(pools, src, dst)
             out = torch.empty_like(q)
-            decode.launch(q.contiguous(), out, pools, tables, lens, ncomp, cache.sm_scale)
+            decode.launch(q.contiguous(), out, pools, tables, lens, ncomp, cache.sm_scale, config=config)
             return out
 
         return attend

@@ -51,6 +51,13 @@ class KernelConfigMixin:
             configs["prefill"] = self._config("prefill", (step.batch, max(1, step.max_q_len), step.max_seq_len))
         return configs
 
+    def kernel_config(self, op: str, shape: tuple[int, ...]) -> dict[str, Any] | None:
+        """The launch config ``op`` gets at ``shape``, as a step of that shape would: decode ``(batch,
+        max_seq_len)``, prefill ``(batch, max_q_len, max_seq_len)``. The autotuner's remembered winner of
+        the shape's bucket or its model's choice (it times candidates only in its ``sync`` mode); None
+        means the kernel's own default. For callers that fix a config ahead of the steps (CUDA graphs)."""
+        return self._config(op, shape)
+
     def _config(self, op: str, shape: tuple[int, ...]) -> dict[str, Any] | None:
         try:
             return self.autotuner.config(op, self.kernels[op], shape, lambda cfg: self._bench(op, shape, cfg),

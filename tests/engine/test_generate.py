@@ -146,7 +146,9 @@ def test_random_weight_engine_from_a_config():
 
 def test_graph_path_static_buffers_give_the_same_tokens():
     """The CUDA-graph step's static buffers (padding rows, in-graph page conversions for int4) run eagerly
-    on the CPU: tokens equal the runtime's own decode path."""
+    on the CPU: tokens equal the runtime's own decode path. The graphs' decode config is the runtime's
+    (kernel_config at the bucket's batch and the longest context); here it asks for 3 splits, so the
+    kernel's in-launch combine runs too (the CPU default is one split)."""
     from kvgen.engine.graphs import DecodeGraphs
 
     prompts = ["Once upon a time there was a", "The sun", "Lily and Tom went to the"]  # pages fill mid-run
@@ -154,11 +156,20 @@ def test_graph_path_static_buffers_give_the_same_tokens():
     for graphs in (False, True):
         small = LLM(str(STORIES), kv="int4", max_tokens=1024, max_num_seqs=4, verbose=False)
         eng = small.engine
+        asked = []
         if graphs:
+            eng.cache.kernel_config = lambda op, shape: asked.append((op, shape)) or {"num_splits": 3,
+                                                                                      "pages_per_tile": 1}
             eng.runner.graphs = DecodeGraphs(eng.runner.model, eng.cache, 4, eng.max_model_len, capture=False)
         results.append([o.outputs[0].token_ids for o in small.generate(prompts, greedy_params(10))])
         if graphs:
             assert eng.runner.graph_steps >= 8 and eng.runner.graphs.converted_steps > 0
+            longest = eng.runner.graphs.max_pages * eng.cache.page_size
+            assert {op for op, _ in asked} == {"decode"} and {s[1] for _, s in asked} == {longest}
+            assert {s[0] for _, s in asked} >= {4}
+            counters = eng.cache.kernels["decode"]._COUNTERS
+            assert any(k[0] == "cpu" for k in counters)  # split launches ran (and left their counters zero)
+            assert all(int(c.count_nonzero()) == 0 for c in counters.values())
         assert all_free(eng.cache)
     assert results[0] == results[1]
 
