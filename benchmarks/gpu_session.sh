@@ -52,17 +52,18 @@ if [ "$what" = open-checks ]; then
     >"$OUT/engine_kvbound.log" 2>&1; echo "engine kvbound: exit $?"; tail -6 "$OUT/engine_kvbound.log" | cut -c1-260
 fi
 if [ "$what" = decode-combine ]; then
-  # The decode kernel's in-kernel split combine (no reduce kernel), about 9 minutes: its GPU tests, decode
-  # of bf16/int8/int4 at every ANCHORS shape (SDPA and the kernels timed in one process), then where an
-  # engine decode step goes now (graphs vs kernels vs roofline).
-  timeout 120 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
-    tests/kernels/test_decode_matrix.py >"$OUT/pytest-gpu-decode.log" 2>&1
+  # The decode kernel's in-kernel split combine (no reduce kernel) and the graphs' runtime config, about 9
+  # minutes: the decode GPU tests (every scheme, a spread of candidates, no host sync, the arrival
+  # counters), where an engine decode step goes now (graphs vs their kernels vs roofline), then the
+  # KV-bound throughput (int4 vs bf16 KV, prefill over int4 staged).
+  timeout 100 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/kernels/test_decode_matrix.py -k "gpu or arrival" >"$OUT/pytest-gpu-decode.log" 2>&1
   echo "decode GPU tests: exit $? (124: cut)"; tail -3 "$OUT/pytest-gpu-decode.log"
-  timeout 200 python3 -m benchmarks.run --ops decode --schemes bf16,int8,int4 --out "$OUT/decode" \
-    >"$OUT/decode.log" 2>&1; echo "decode bench: exit $?"; grep -E "decode" "$OUT/decode.log" | tail -12 | cut -c1-260
-  timeout 200 python3 -m benchmarks.engine_profile --kv bf16,int4 --shapes 32x2048,1x16384 \
+  timeout 220 python3 -m benchmarks.engine_profile --kv bf16,int4 --shapes 32x2048,1x16384 \
     --out "$OUT/engine_profile.json" >"$OUT/engine_profile.log" 2>&1; echo "engine profile: exit $?"
-  tail -8 "$OUT/engine_profile.log" | cut -c1-260
+  grep '"kind"' "$OUT/engine_profile.log" | cut -c1-400
+  timeout 230 python3 -m benchmarks.engine --parts kvbound --kv bf16,int4 --no-hf --out "$OUT/engine_kvbound.json" \
+    >"$OUT/engine_kvbound.log" 2>&1; echo "engine kvbound: exit $?"; grep '"kind"' "$OUT/engine_kvbound.log" | cut -c1-300
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"
