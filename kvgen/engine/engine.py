@@ -37,6 +37,7 @@ from .sampler import PendingSample, SampleSlot, sample_async
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status
+from .upload import to_device
 
 
 class LLMEngine(OutputsMixin):
@@ -309,7 +310,7 @@ class LLMEngine(OutputsMixin):
         """
         ids = prev.sample.tokens
         if len(rows) != len(prev.seqs):
-            ids = ids.index_select(0, torch.tensor(rows, dtype=torch.long).to(ids.device))
+            ids = ids.index_select(0, to_device(rows, torch.long, ids.device))
         self.num_steps += 1
         self.num_async_steps += 1
         self.peak_running = max(self.peak_running, len(self.scheduler.running))

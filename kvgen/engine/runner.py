@@ -10,6 +10,7 @@ import torch
 from kvgen.runtime.step import DeviceBuffers
 
 from .model import CausalLM
+from .upload import to_device
 
 
 class ModelRunner:
@@ -78,5 +79,5 @@ class ModelRunner:
         if not sample_rows:
             return None
         if len(sample_rows) != hidden.shape[0]:
-            hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.long).to(self.device))
+            hidden = hidden.index_select(0, to_device(sample_rows, torch.long, self.device))
         return self.model.logits(hidden)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .sampling_params import SamplingParams
+from .upload import to_device
 
 
 @dataclass
@@ -40,13 +41,14 @@ def _penalize(x: torch.Tensor, slot: SampleSlot) -> None:
     p = slot.params
     dev = x.device
     if p.repetition_penalty != 1:
-        seen = torch.tensor(sorted(set(slot.prompt_ids) | set(slot.output_ids)), dtype=torch.long, device=dev)
+        seen = to_device(sorted(set(slot.prompt_ids) | set(slot.output_ids)), torch.long, dev)
         if seen.numel():
             v = x.index_select(0, seen)
             x.index_copy_(0, seen, torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty))
     if (p.presence_penalty or p.frequency_penalty) and slot.output_ids:
-        counts = torch.bincount(torch.tensor(slot.output_ids, dtype=torch.long, device=dev), minlength=x.numel())
-        counts = counts.to(x.dtype)
+        # index_add_, not bincount: bincount reads its maximum back to the host (a device sync per row)
+        ids = to_device(slot.output_ids, torch.long, dev)
+        counts = torch.zeros_like(x).index_add_(0, ids, torch.ones(ids.numel(), dtype=x.dtype, device=dev))
         x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
 
 
@@ -81,13 +83,23 @@ class PendingSample:
     def __init__(self, tokens: torch.Tensor, want: list[int | None], logprobs: tuple | None) -> None:
         self.tokens = tokens
         self._want = want
-        self._logprobs = logprobs
+        # On a GPU the draws start down to pinned host memory now, behind an event: result() then waits
+        # for this step's draws only. A plain .tolist() there would be queued behind whatever the host
+        # launched since (async scheduling launches the next step first) and wait for that too.
+        self._host = [tokens, *(logprobs or ())]
+        self._ready = None
+        if tokens.is_cuda:
+            self._host = [_to_pinned(t) for t in self._host]
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(tokens.device))
+        self._logprobs = logprobs is not None
 
     def result(self) -> list[Sampled]:
-        if self._logprobs is None:
-            return [Sampled(t) for t in self.tokens.tolist()]  # the step's one host sync
-        chosen, top_v, top_i = self._logprobs
-        tokens_h, chosen_h, top_v, top_i = self.tokens.tolist(), chosen.tolist(), top_v.tolist(), top_i.tolist()
+        if self._ready is not None:
+            self._ready.synchronize()  # the step's one host sync
+        if not self._logprobs:
+            return [Sampled(t) for t in self._host[0].tolist()]
+        tokens_h, chosen_h, top_v, top_i = (t.tolist() for t in self._host)
         out = []
         for i, w in enumerate(self._want):
             if w is None:
@@ -97,6 +109,13 @@ class PendingSample:
             top[tokens_h[i]] = chosen_h[i]
             out.append(Sampled(tokens_h[i], chosen_h[i], top))
         return out
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of device tensor ``t``, started on the current stream (valid once it has run)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def sample(logits: torch.Tensor, slots: list[SampleSlot]) -> list[Sampled]:
@@ -111,7 +130,7 @@ def sample_async(logits: torch.Tensor, slots: list[SampleSlot]) -> PendingSample
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
         raw = logits  # one slot per row, in order (every decode step without forks): nothing to gather
     else:
-        raw = logits.index_select(0, torch.tensor(rows, dtype=torch.long).to(dev))
+        raw = logits.index_select(0, to_device(rows, torch.long, dev))
     x = raw
     if any(s.params.penalized or s.banned for s in slots):
         x = raw.clone()
@@ -119,22 +138,21 @@ def sample_async(logits: torch.Tensor, slots: list[SampleSlot]) -> PendingSample
             if s.params.penalized:
                 _penalize(x[i], s)
             if s.banned:
-                x[i, list(s.banned)] = float("-inf")
+                x[i].index_fill_(0, to_device(list(s.banned), torch.long, dev), float("-inf"))
     greedy = [s.params.greedy for s in slots]
     tokens = x.argmax(dim=1)
     if not all(greedy):
-        S = len(slots)
-        f32 = dict(dtype=torch.float32, device=dev)
-        temp = torch.tensor([s.params.temperature or 1.0 for s in slots], **f32)
-        probs = filter_logits(x, temp, torch.tensor([s.params.top_k for s in slots], dtype=torch.long, device=dev),
-                              torch.tensor([s.params.top_p for s in slots], **f32),
-                              torch.tensor([s.params.min_p for s in slots], **f32))
+        # one upload for the per-row settings (top_k as float: exact for any vocabulary index)
+        rows_h = to_device([[s.params.temperature or 1.0, s.params.top_k, s.params.top_p, s.params.min_p,
+                             float(s.params.greedy)] for s in slots], torch.float32, dev)
+        temp, top_k, top_p, min_p, greedy_d = rows_h.unbind(1)
+        probs = filter_logits(x, temp, top_k.long(), top_p, min_p)
         q = torch.empty_like(probs).exponential_()
         for i, s in enumerate(slots):
             if s.generator is not None:
                 q[i].exponential_(generator=s.generator)
         drawn = (probs / q).argmax(dim=1)
-        tokens = torch.where(torch.tensor(greedy, device=dev).reshape(S), tokens, drawn)
+        tokens = torch.where(greedy_d.bool(), tokens, drawn)
     want = [s.params.logprobs for s in slots]
     if all(w is None for w in want):
         return PendingSample(tokens, want, None)

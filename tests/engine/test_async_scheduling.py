@@ -408,3 +408,37 @@ def test_gpu_random_run_async_finishes_everything_and_frees_every_page():
                 finished += 1
     assert finished > 100 and eng.num_async_steps > 100 and eng.scheduler.num_preemptions > 0
     assert eng._inflight is None and all_free(eng.cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("sampled", [False, True])
+def test_gpu_steady_async_steps_never_wait_for_the_device_but_for_their_draws(sampled):
+    """Between steady async steps the host waits only for the previous step's draws (an event): no
+    pageable upload, .tolist() or .item() -- each would wait for the next step too, launched just before,
+    and the planning would no longer overlap the device. Checked by torch's sync debug mode."""
+    import torch
+
+    from kvgen.engine.loader import build_engine
+
+    eng = build_engine(config=TINY, kv="bf16", dtype="bfloat16", device="cuda", max_model_len=1024,
+                       max_num_seqs=16, max_tokens=16384, autotune=False, verbose=False, async_scheduling=True)
+    if sampled:
+        params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
+                                presence_penalty=0.2, frequency_penalty=0.1, max_tokens=200, ignore_eos=True)
+    else:
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    rng = random.Random(3)
+    for _ in range(8):
+        eng.add_request(None, [rng.randrange(1024) for _ in range(rng.randint(20, 300))], params)
+    for _ in range(20):  # prefill, then steady decode with its graphs replaying
+        eng.step()
+    a0 = eng.num_async_steps
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(30):
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert eng.num_async_steps - a0 == 30 and eng.runner.graph_steps >= 30
