@@ -80,13 +80,13 @@ def run_until(engine, cond, max_steps=10**7) -> int:
     return n
 
 
-def step_records(kvs, shapes, bw, steps, hf_static) -> list[dict]:
+def step_records(kvs, shapes, bw, steps, hf_static, async_scheduling=False) -> list[dict]:
     from kvgen.engine import SamplingParams
 
     out = []
     for B, L in shapes:
         for kv in kvs:
-            eng = make_engine(kv, max_model_len=L + steps + 64, max_num_seqs=B)
+            eng = make_engine(kv, max_model_len=L + steps + 64, max_num_seqs=B, async_scheduling=async_scheduling)
             rng = random.Random(0)
             params = SamplingParams(temperature=0, max_tokens=steps + 32, ignore_eos=True)
             for _ in range(B):
@@ -104,7 +104,7 @@ def step_records(kvs, shapes, bw, steps, hf_static) -> list[dict]:
             kv_bytes = B * (L + steps // 2) * eng.plan.kv_bytes_per_token
             roof = (weight_bytes(eng) + kv_bytes) / bw * 1e3
             rec = dict(kind="step", engine="kvgen", kv=kv, B=B, context=L, ms=ms, roofline_ms=roof,
-                       vs_roofline=ms / roof, graph_steps=eng.runner.graph_steps)
+                       vs_roofline=ms / roof, graph_steps=eng.runner.graph_steps, async_scheduling=async_scheduling)
             log(json.dumps(rec))
             out.append(rec)
             holder = [eng]
@@ -274,6 +274,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-hf-static", action="store_true")
     ap.add_argument("--kv-bound-gb", type=float, default=16.0)
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="step part: time kvgen's steps with async scheduling too (records with async_scheduling true)")
     args = ap.parse_args(argv)
     import triton
 
@@ -309,6 +311,9 @@ def main(argv=None) -> int:
         attempt(step_records, kvs, shapes, bw, 16 if q else 64, not (q or args.no_hf_static or args.no_hf)) \
             if not args.no_hf else attempt(lambda: [r for r in step_records(kvs, shapes, bw, 16 if q else 64, False)
                                                     if r["engine"] == "kvgen"])
+        if args.async_scheduling:
+            attempt(lambda: [r for r in step_records(kvs, shapes, bw, 16 if q else 64, False, async_scheduling=True)
+                             if r["engine"] == "kvgen"])
     if "throughput" in parts:
         reqs = workload(64 if q else 1000, prompt=(128, 512) if q else (512, 2048), output=(32, 128) if q else (128, 512))
         for kv in kvs:
