@@ -80,7 +80,9 @@ def run_until(engine, cond, max_steps=10**7) -> int:
     return n
 
 
-def step_records(kvs, shapes, bw, steps, hf_static, async_scheduling=False) -> list[dict]:
+def step_records(kvs, shapes, bw, steps, hf_static, async_scheduling=False, hf=True) -> list[dict]:
+    """kvgen's decode step per (shape, KV) and, with ``hf``, HF ``generate``'s (dynamic; static too with
+    ``hf_static``) in the same process."""
     from kvgen.engine import SamplingParams
 
     out = []
@@ -104,13 +106,15 @@ def step_records(kvs, shapes, bw, steps, hf_static, async_scheduling=False) -> l
             kv_bytes = B * (L + steps // 2) * eng.plan.kv_bytes_per_token
             roof = (weight_bytes(eng) + kv_bytes) / bw * 1e3
             rec = dict(kind="step", engine="kvgen", kv=kv, B=B, context=L, ms=ms, roofline_ms=roof,
-                       vs_roofline=ms / roof, graph_steps=eng.runner.graph_steps, async_scheduling=async_scheduling)
+                       vs_roofline=ms / roof, graph_steps=eng.runner.graph_steps, async_scheduling=async_scheduling,
+                       async_steps=eng.num_async_steps)
             log(json.dumps(rec))
             out.append(rec)
             holder = [eng]
             del eng
             release(holder)
-        out.extend(hf_step_records(B, L, bw, steps, hf_static))
+        if hf:
+            out.extend(hf_step_records(B, L, bw, steps, hf_static))
     return out
 
 
@@ -308,12 +312,10 @@ def main(argv=None) -> int:
 
     if "step" in parts:
         shapes = [(1, 4096), (8, 1024)] if q else [(1, 16384), (32, 2048)]
-        attempt(step_records, kvs, shapes, bw, 16 if q else 64, not (q or args.no_hf_static or args.no_hf)) \
-            if not args.no_hf else attempt(lambda: [r for r in step_records(kvs, shapes, bw, 16 if q else 64, False)
-                                                    if r["engine"] == "kvgen"])
+        n = 16 if q else 64
+        attempt(step_records, kvs, shapes, bw, n, not (q or args.no_hf_static or args.no_hf), hf=not args.no_hf)
         if args.async_scheduling:
-            attempt(lambda: [r for r in step_records(kvs, shapes, bw, 16 if q else 64, False, async_scheduling=True)
-                             if r["engine"] == "kvgen"])
+            attempt(step_records, kvs, shapes, bw, n, False, async_scheduling=True, hf=False)
     if "throughput" in parts:
         reqs = workload(64 if q else 1000, prompt=(128, 512) if q else (512, 2048), output=(32, 128) if q else (128, 512))
         for kv in kvs:

@@ -13,7 +13,9 @@ sequences to L tokens, then measures for each shape and scheme:
 - ``eager_ms``: the same without graphs;
 - ``graph_kernels`` / ``graph_kernel_ms`` / ``graph_groups``: the same
   profile over graph steps (the kernels a replay runs, with the configs
-  fixed at capture), so ``graph_ms - graph_kernel_ms`` is the gaps alone;
+  fixed at capture), so ``graph_ms - graph_kernel_ms`` is the step outside
+  kernels: launch gaps, the static buffers' copies (memcpy/memset are not
+  counted as kernels) and host time the device waits for;
 - ``kernels``: torch.profiler over ``--steps`` eager steps, kernel name ->
   device µs per step, largest first, and ``kernel_ms`` their sum; with
   ``groups`` summing them by kind (gemm, attention, cache write, norm, rope,

@@ -62,6 +62,9 @@ class DecodeGraphs:
         self.conv_src = torch.zeros(n, dtype=torch.int32, device=dev)
         self.conv_dst = torch.zeros(n, dtype=torch.int32, device=dev)
         self.residual = getattr(cache, "residual_tokens", None) is not None
+        # the decode kernel's split arrival counters, owned here: every graph keeps their address
+        make_counters = getattr(cache.kernels["decode"], "split_counters", None)
+        self.counters = make_counters(n, dev) if make_counters is not None else None
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.capture = capture
@@ -69,8 +72,9 @@ class DecodeGraphs:
         kinds = (False, True) if self.residual else (False,)
         variants = [(b, conv) for b in reversed(self.buckets) for conv in kinds] if capture else []
         pool = None
-        # Warm-up and capture on one stream of ours: per-stream state that kernels allocate on first use
-        # (the decode kernel's split arrival counters) then exists before the capture, not inside it.
+        # Warm-up and capture on one stream of ours: per-stream state made on first use (cuBLAS workspaces;
+        # the per-stream split counters of a package whose decode module has no split_counters) then
+        # exists before the capture, not inside it.
         stream = torch.cuda.Stream(dev) if capture else None
         for i, key in enumerate(variants):
             b = key[0]
@@ -104,6 +108,7 @@ class DecodeGraphs:
         slots, tables = self.slots[:b], self.block_tables[:b]
         lens, ncomp = self.seq_lens[:b], self.num_compressed[:b]
         src, dst = self.conv_src[:b], self.conv_dst[:b]
+        counters = {} if self.counters is None else {"counters": self.counters}
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pools = cache.pools[layer]
@@ -111,7 +116,8 @@ class DecodeGraphs:
             if quantize is not None:
                 quantize.launch(pools, src, dst)
             out = torch.empty_like(q)
-            decode.launch(q.contiguous(), out, pools, tables, lens, ncomp, cache.sm_scale, config=config)
+            decode.launch(q.contiguous(), out, pools, tables, lens, ncomp, cache.sm_scale, config=config,
+                          **counters)
             return out
 
         return attend

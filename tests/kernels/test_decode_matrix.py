@@ -150,6 +150,20 @@ def test_decode_split_arrival_counters_are_left_zero_and_reused(scheme):
         counters = [c for c in mod._COUNTERS.values() if c.device.type == out.device.type]
         assert counters and all(int(c.count_nonzero()) == 0 for c in counters)
         assert sum(c.numel() for c in counters) >= len(lengths) * case.num_kv_heads
+    # counters owned by the caller (as a CUDA graph's are): used, left zero; too few is refused
+    own = mod.split_counters(4, hz.device())
+    lengths = runs[1][0]
+    cache, _ = hz.cache_and_kernel("decode", case, lengths, seed=30, dev=hz.device())
+    q = hz.random_q(len(lengths), case.num_kv_heads * case.gqa, case.head_dim, torch.float32, "cpu", seed=31)
+    q = q.to(case.dtype).to(hz.device())
+    args = (cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, case.head_dim ** -0.5)
+    ref = hz.reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], sm_scale=case.head_dim ** -0.5)
+    out = hz.poisoned_like(q)
+    mod.launch(q, out, *args, config={"num_splits": 5, "pages_per_tile": 1}, counters=own)
+    hz.check(case, out, ref, "caller's counters")
+    assert int(own.count_nonzero()) == 0
+    with pytest.raises(ValueError, match="counters"):
+        mod.launch(q, hz.poisoned_like(q), *args, config={"num_splits": 5, "pages_per_tile": 1}, counters=own[:3])
 
 
 @pytest.mark.parametrize("scheme", hz.scheme_matrix())
