@@ -114,13 +114,15 @@ def test_stream_and_chat(llm, hf):
         llm.chat([{"role": "user", "content": "hi"}])
 
 
-def test_kvgen_generate_streams_hf_greedy_text(hf, capsys):
+@pytest.mark.parametrize("extra", [[], ["--async-scheduling"]])
+def test_kvgen_generate_streams_hf_greedy_text(hf, capsys, extra):
     from kvgen.engine import cli
 
     parser = argparse.ArgumentParser()
     cli.add_args(parser)
     args = parser.parse_args(["--model", str(STORIES), "--kv", "fp32", "--prompt", "Once upon a time",
-                              "--max-tokens", "8", "--temperature", "0", "--ignore-eos", "--cache-tokens", "1024"])
+                              "--max-tokens", "8", "--temperature", "0", "--ignore-eos", "--cache-tokens", "1024",
+                              *extra])
     assert cli.run(args) == 0
     out = capsys.readouterr().out
     ids = hf("Once upon a time", 8)
