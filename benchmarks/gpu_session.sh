@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -64,6 +64,21 @@ if [ "$what" = decode-combine ]; then
   grep '"kind"' "$OUT/engine_profile.log" | cut -c1-400
   timeout 230 python3 -m benchmarks.engine --parts kvbound --kv bf16,int4 --no-hf --out "$OUT/engine_kvbound.json" \
     >"$OUT/engine_kvbound.log" 2>&1; echo "engine kvbound: exit $?"; grep '"kind"' "$OUT/engine_kvbound.log" | cut -c1-300
+fi
+if [ "$what" = write ]; then
+  # The tiled cache write (issue 16 item 4), about 5 minutes: every cache-op test on the GPU (the fp8
+  # hardware conversion bit for bit against torch among them), the launch-config sweep, the write records;
+  # then the graph-owned split counters' GPU tests, not run since they changed.
+  timeout 120 python3 -m pytest -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/kernels/test_cache_ops.py >"$OUT/pytest-gpu-cache-ops.log" 2>&1
+  echo "cache-op tests on the GPU: exit $? (124: cut)"; tail -3 "$OUT/pytest-gpu-cache-ops.log"
+  timeout 200 python3 -m benchmarks.experiments.write_sweep >"$OUT/write_sweep.txt" 2>&1
+  echo "write sweep: exit $?"; grep -E "copy|default" "$OUT/write_sweep.txt"
+  timeout 60 python3 -m benchmarks.run --ops write --schemes bf16,int8,fp8,int4 --out "$OUT/write" \
+    >"$OUT/write.log" 2>&1; echo "write bench: exit $?"; grep -E "^write" "$OUT/write.log"
+  timeout 120 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/engine tests/kernels/test_decode_matrix.py -k "gpu or arrival or graph" >"$OUT/pytest-gpu-graphs.log" 2>&1
+  echo "engine + decode GPU tests: exit $? (124: cut)"; tail -3 "$OUT/pytest-gpu-graphs.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"

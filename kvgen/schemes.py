@@ -61,9 +61,12 @@ page) and ``mask_t`` (bool ``[BLOCK_N]``, False past the sequence end).
   ``acc`` float32 ``[BLOCK_G, BLOCK_D]``.
 - ``load_page(k, v, base, offs_t, offs_d, mask_t, L)``: dequantized float32
   tiles ``[BLOCK_N, BLOCK_D]`` (masked tokens and padded lanes read 0).
-- ``store_tokens(k, v, base, slot, offs_d, L)``: quantize and store one
-  token (``k``, ``v`` float32 ``[BLOCK_D]``, padded lanes are zero; ``base``
-  and ``slot`` scalars) into ``slot`` of a page. Only for schemes with
+- ``store_tokens(k, v, base, offs_t, offs_d, mask_t, L)``: quantize and
+  store a tile of tokens, one per row (``k``, ``v`` float32
+  ``[BLOCK_T, BLOCK_D]``, padded lanes are zero; ``base``, ``offs_t`` and
+  ``mask_t`` ``[BLOCK_T]``: row i goes to slot ``offs_t[i]`` of page
+  ``base[i]`` when ``mask_t[i]``). The constexpr ``NATIVE_FP8`` is in
+  scope (hardware float8 conversion available). Only for schemes with
   ``residual_tokens is None``.
 - ``store_page(k, v, base, offs_t, offs_d, L)``: quantize and store a whole
   page (``k``, ``v`` float32 ``[PAGE, BLOCK_D]``, ``base`` a scalar,

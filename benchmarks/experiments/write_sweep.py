@@ -5,7 +5,9 @@
 B=4096 new tokens, 8 KV heads, D=128, bf16 input, page 16, the prompt's pages
 scattered over the pool (as benchmarks.run's write records). Prints ms and the
 fraction of copy bandwidth (bytes read + written) per config and scheme; the
-template's default_config is marked.
+template's default_config is marked. First, for scale, a plain device copy of
+the same number of bytes (half read, half written): what a kernel this small
+can reach at all. fp8 runs with the hardware conversion and without it.
 """
 
 import sys
@@ -23,13 +25,20 @@ def main() -> int:
     for name in ("bf16", "int8", "fp8", "int4"):
         mod, scheme = bench_run.kernel_module("cache_write", name, Hkv, 8, D)
         k, v, pools, slots, nbytes = bench_run.write_case(scheme, N, Hkv, D)
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        ms = bench_run.bench(lambda: dst.copy_(src))
+        print(f"{name:5} plain copy of the same bytes  {ms:.4f} ms  bw {nbytes / (ms * 1e-3) / copy_bw:.3f}", flush=True)
         default = mod.default_config(N)
-        for tpp in (1, 2, 4, 8, 16):
-            for warps in (1, 2, 4):
-                cfg = {"tokens_per_program": tpp, "num_warps": warps}
-                ms = bench_run.bench(lambda: mod.launch(k, v, pools, slots, config=cfg))
-                mark = "  <- default" if cfg == default else ""
-                print(f"{name:5} {cfg}  {ms:.4f} ms  bw {nbytes / (ms * 1e-3) / copy_bw:.3f}{mark}", flush=True)
+        for tpp in (1, 2, 4, 8, 16, 32):
+            for warps in (1, 2, 4, 8):
+                for native in ((1, 0) if name == "fp8" else (1,)):
+                    cfg = {"tokens_per_program": tpp, "num_warps": warps}
+                    mark = "  <- default" if cfg == default else ""
+                    if name == "fp8":
+                        cfg["native_fp8"] = native
+                    ms = bench_run.bench(lambda: mod.launch(k, v, pools, slots, config=cfg))
+                    print(f"{name:5} {cfg}  {ms:.4f} ms  bw {nbytes / (ms * 1e-3) / copy_bw:.3f}{mark}", flush=True)
     return 0
 
 

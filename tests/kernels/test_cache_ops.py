@@ -75,8 +75,11 @@ def test_cache_write(case):
     v = torch.randn(n, H, D, generator=gen).to(case.dtype)
 
     mod = hz.load_op("cache_write", s, D, H, case.gqa, P, case.dtype, dev=dev)
-    # 3 tokens per program: 29 rows leave a partial last program, and skipped rows sit inside programs
-    mod.launch(k.to(dev), v.to(dev), pool, slot_mapping.to(dev), config={"tokens_per_program": 3})
+    # 8 tokens per program: 29 (P=16) or 53 (P=32) rows leave a partial last program, and skipped rows
+    # sit inside programs
+    mod.launch(k.to(dev), v.to(dev), pool, slot_mapping.to(dev), config={"tokens_per_program": 8})
+    with pytest.raises(ValueError, match="power of two"):
+        mod.launch(k.to(dev), v.to(dev), pool, slot_mapping.to(dev), config={"tokens_per_program": 3})
 
     written = {int(x) for x in slots}
     by_page: dict[int, list[tuple[int, int]]] = {}
@@ -295,8 +298,13 @@ def test_cache_ops_gpu(scheme):
 
 
 @pytest.mark.skipif("fp8" not in hz.default_registry().schemes, reason="fp8 scheme not registered")
-def test_fp8_encode_bit_exact():
-    """The fp8 store macro's integer RNE encode equals torch's float8_e4m3fn cast, subnormals and ties included."""
+@pytest.mark.parametrize("native", [1, 0], ids=["native-where-available", "integer-encode"])
+def test_fp8_encode_bit_exact(native):
+    """The fp8 store macro's RNE encode equals torch's float8_e4m3fn cast, subnormals and ties included.
+
+    On a GPU with float8 conversions (sm_89+) ``native`` 1 runs the hardware conversion and 0 the integer
+    encode; elsewhere (the interpreter) both run the integer encode.
+    """
     dev = hz.device()
     D, P, H = 64, 16, 1
     gen = torch.Generator().manual_seed(0)
@@ -312,7 +320,7 @@ def test_fp8_encode_bit_exact():
     case = hz.Case(scheme="fp8", head_dim=D, gqa=1, page_size=P, compute_dtype="float32", num_kv_heads=H)
     pool = _pool(case, 1, dev)
     mod = hz.load_op("cache_write", "fp8", D, H, 1, P, torch.float32, dev=dev)
-    mod.launch(k.to(dev), v.to(dev), pool, torch.arange(P, dtype=torch.int64).to(dev))
+    mod.launch(k.to(dev), v.to(dev), pool, torch.arange(P, dtype=torch.int64).to(dev), config={"native_fp8": native})
     want = k[:, 0].to(torch.float8_e4m3fn).view(torch.uint8)
     got = pool["k"][0, 0].cpu()
     bad = (got != want).nonzero()
