@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|prefill-sweep] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -80,10 +80,16 @@ if [ "$what" = write ]; then
     tests/engine tests/kernels/test_decode_matrix.py -k "gpu or arrival or graph" >"$OUT/pytest-gpu-graphs.log" 2>&1
   echo "engine + decode GPU tests: exit $? (124: cut)"; tail -3 "$OUT/pytest-gpu-graphs.log"
 fi
-if [ "$what" = prefill-sweep ]; then
-  # Prefill configs beyond the candidates, bf16 in place and int8 staged (issue 16 item 3), about 5 minutes.
-  timeout 280 python3 -m benchmarks.experiments.prefill_sweep --schemes bf16,int8 --seconds 240 \
+if [ "$what" = sweeps ]; then
+  # About 9 minutes: prefill configs beyond the candidates, bf16 in place and int8 staged (issue 16 item 3);
+  # the cache-write configs timed from CUDA graphs (item 4); the engine and graph GPU tests.
+  timeout 215 python3 -m benchmarks.experiments.prefill_sweep --schemes bf16,int8 --seconds 175 \
     >"$OUT/prefill_sweep.txt" 2>&1; echo "prefill sweep: exit $?"; cat "$OUT/prefill_sweep.txt" | cut -c1-200
+  timeout 150 python3 -m benchmarks.experiments.write_sweep >"$OUT/write_sweep.txt" 2>&1
+  echo "write sweep: exit $?"; grep -E "copy|default" "$OUT/write_sweep.txt"
+  timeout 170 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/engine tests/kernels/test_decode_matrix.py -k "gpu or arrival or graph" >"$OUT/pytest-gpu-graphs.log" 2>&1
+  echo "engine + decode GPU tests: exit $? (124: cut)"; tail -3 "$OUT/pytest-gpu-graphs.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"
