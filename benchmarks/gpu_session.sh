@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -90,6 +90,18 @@ if [ "$what" = sweeps ]; then
   timeout 170 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
     tests/engine tests/kernels/test_decode_matrix.py -k "gpu or arrival or graph" >"$OUT/pytest-gpu-graphs.log" 2>&1
   echo "engine + decode GPU tests: exit $? (124: cut)"; tail -3 "$OUT/pytest-gpu-graphs.log"
+fi
+if [ "$what" = measure ]; then
+  # About 8 minutes: the prefill and cache-op GPU tests under the new defaults; benchmarks.run's write and
+  # prefill records (issue 16 items 3-4); whether the autotuner's timer picks the fastest short decode.
+  timeout 150 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/kernels/test_prefill_matrix.py tests/kernels/test_prefill_staged.py tests/kernels/test_cache_ops.py \
+    >"$OUT/pytest-gpu-prefill-write.log" 2>&1; echo "prefill + cache-op GPU tests: exit $? (124: cut)"
+  tail -2 "$OUT/pytest-gpu-prefill-write.log"
+  timeout 200 python3 -m benchmarks.run --ops write,prefill --schemes bf16,int8,fp8,int4 --out "$OUT/run" \
+    >"$OUT/run.log" 2>&1; echo "benchmarks.run write,prefill: exit $?"; grep -E "^(write|prefill) " "$OUT/run.log"
+  timeout 150 python3 -m benchmarks.experiments.decode_timer >"$OUT/decode_timer.txt" 2>&1
+  echo "decode timer: exit $?"; cat "$OUT/decode_timer.txt" | cut -c1-220
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"
