@@ -3,11 +3,12 @@
     python -m benchmarks.experiments.decode_timer [--schemes bf16,int4] [--shapes 1x16384,32x2048]
 
 One layer of Llama-3-8B's decode attention (32/8 heads, D=128, page 16) at the
-engine benchmark's shapes. Every tuning candidate is timed twice: as the
-runtime's autotuner times it (``kvgen.runtime.autotune.default_timer``,
-do_bench: a Python launch per call after an L2 flush) and from a CUDA graph of
-back-to-back calls over 8 input sets (``benchmarks.run.bench_cold``; what a
-captured engine step sees). A kernel shorter than its launch is timed by its
+engine benchmark's shapes. Every tuning candidate is timed three ways: as
+the runtime's autotuner timed it until 2026-12-02
+(``kvgen.runtime.kernel_timer.do_bench_ms``: a Python launch per call after an
+L2 flush), as it times it now (``graph_time_ms``: a CUDA graph of calls on one
+input set), and from a CUDA graph of back-to-back calls over 8 input sets
+(``benchmarks.run.bench_cold``; what a captured engine step sees, cold in L2). A kernel shorter than its launch is timed by its
 launch in the first way, so the tuner's pick can be far from the fastest.
 Prints, per scheme and shape: contiguous SDPA (graph-timed), the tuner's pick
 and the graph's pick, each with both times, and the heuristic default.
@@ -20,7 +21,7 @@ import sys
 import torch
 
 from benchmarks import run as bench_run
-from kvgen.runtime.autotune import default_timer
+from kvgen.runtime.kernel_timer import do_bench_ms, graph_time_ms
 
 Hq, Hkv, D, COPIES = 32, 8, 128, 8
 
@@ -52,18 +53,22 @@ def main() -> int:
             rows = []
             for cfg in mod.candidates(B, L):
                 try:
-                    tuner_ms = default_timer(call(0, cfg))
+                    tuner_ms = do_bench_ms(call(0, cfg))
+                    new_ms = graph_time_ms(call(0, cfg))
                     graph_ms = bench_run.bench_cold([call(i, cfg) for i in range(COPIES)])
                 except Exception as exc:  # registers / shared memory
                     print(f"  {name} {cfg} failed: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
                     continue
-                rows.append((tuner_ms, graph_ms, cfg))
+                rows.append((tuner_ms, graph_ms, cfg, new_ms))
             default = mod.default_config(B, L, "cuda")
             dflt = bench_run.bench_cold([call(i, default) for i in range(COPIES)])
             by_tuner = min(rows, key=lambda r: r[0])
             by_graph = min(rows, key=lambda r: r[1])
+            by_new = min(rows, key=lambda r: r[3])
             print(f"  {name:5} {len(rows)} candidates; default {default}: graph {dflt * 1e3:.1f} us", flush=True)
-            for label, (t, g, cfg) in (("tuner's pick", by_tuner), ("graph's pick", by_graph)):
+            for label, (t, g, cfg, _) in (("do_bench's pick (the tuner before)", by_tuner),
+                                          ("graph_time_ms's pick (the tuner now)", by_new),
+                                          ("cold graph's pick", by_graph)):
                 print(f"  {name:5} {label}: do_bench {t * 1e3:.1f} us, graph {g * 1e3:.1f} us "
                       f"(x{g / sdpa_ms:.2f} SDPA)  {cfg}", flush=True)
             spread = sorted(r[0] for r in rows)

@@ -55,6 +55,7 @@ import torch
 
 from .atomic_io import write_atomic
 from .autotune_model import MAX_CANDIDATES, model_config, ranked_candidates, valid_config
+from .kernel_timer import graph_time_ms
 from .env import autotune_mode, cache_dir, triton_interpret
 
 FORMAT = 2
@@ -151,9 +152,8 @@ def _triton_version() -> str:
 
 
 def default_timer(fn: Callable[[], Any]) -> float:
-    """Milliseconds per call of ``fn`` (triton.testing.do_bench: short warm-up, then the median)."""
-    from triton.testing import do_bench
-    return float(do_bench(fn, warmup=5, rep=20))
+    """Milliseconds per call of ``fn``: GPU time from a CUDA graph of calls (see :mod:`.kernel_timer`)."""
+    return graph_time_ms(fn)
 
 
 class _Progress:
@@ -214,7 +214,7 @@ class Autotuner:
     (pruned to ``max_candidates``, at most about ``budget_s`` seconds);
     ``"off"`` ignores persisted winners too. ``enabled=False`` never times on
     the request path. :meth:`tune` times a bucket explicitly (ahead of time).
-    ``timer(fn) -> ms`` defaults to ``triton.testing.do_bench``;
+    ``timer(fn) -> ms`` defaults to :func:`.kernel_timer.graph_time_ms`;
     ``force=True`` tunes on first use even off-GPU (tests). ``clock()`` (wall
     seconds, default ``time.perf_counter``) keeps the budget: tuning never
     starts a candidate when the time spent plus the slowest candidate so far
