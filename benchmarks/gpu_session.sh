@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -102,6 +102,20 @@ if [ "$what" = measure ]; then
     >"$OUT/run.log" 2>&1; echo "benchmarks.run write,prefill: exit $?"; grep -E "^(write|prefill) " "$OUT/run.log"
   timeout 150 python3 -m benchmarks.experiments.decode_timer >"$OUT/decode_timer.txt" 2>&1
   echo "decode timer: exit $?"; cat "$OUT/decode_timer.txt" | cut -c1-220
+fi
+if [ "$what" = final ]; then
+  # About 8 minutes: GPU tests of what changed (the kernel timer, cache ops, prefill), the decode timer
+  # with the runtime's untuned choice, the engine's bf16 step (issue 14) under the new decode model.
+  par=""; python3 -c "import xdist" 2>/dev/null && par="-n 8"
+  timeout 200 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/test_kernel_timer.py tests/kernels/test_cache_ops.py tests/kernels/test_prefill_matrix.py \
+    tests/kernels/test_prefill_staged.py >"$OUT/pytest-gpu-final.log" 2>&1
+  echo "GPU tests: exit $? (124: cut)"; tail -3 "$OUT/pytest-gpu-final.log"
+  timeout 90 python3 -m benchmarks.experiments.decode_timer --schemes bf16 >"$OUT/decode_timer.txt" 2>&1
+  echo "decode timer: exit $?"; cat "$OUT/decode_timer.txt" | cut -c1-220
+  timeout 200 python3 -m benchmarks.engine --parts step --no-hf --kv bf16 --async-scheduling \
+    --out "$OUT/engine_step.json" >"$OUT/engine_step.log" 2>&1; echo "engine step: exit $?"
+  grep '"kind"' "$OUT/engine_step.log" | cut -c1-300
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"

@@ -21,6 +21,7 @@ import sys
 import torch
 
 from benchmarks import run as bench_run
+from kvgen.runtime.autotune_model import model_config
 from kvgen.runtime.kernel_timer import do_bench_ms, graph_time_ms
 
 Hq, Hkv, D, COPIES = 32, 8, 128, 8
@@ -62,6 +63,11 @@ def main() -> int:
                 rows.append((tuner_ms, graph_ms, cfg, new_ms))
             default = mod.default_config(B, L, "cuda")
             dflt = bench_run.bench_cold([call(i, default) for i in range(COPIES)])
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            model = model_config("decode", mod, (B, L), sms)
+            model_ms = bench_run.bench_cold([call(i, model) for i in range(COPIES)])
+            print(f"  {name:5} the runtime's untuned choice (autotune_model) {model}: graph {model_ms * 1e3:.1f} us",
+                  flush=True)
             by_tuner = min(rows, key=lambda r: r[0])
             by_graph = min(rows, key=lambda r: r[1])
             by_new = min(rows, key=lambda r: r[3])
@@ -72,6 +78,9 @@ def main() -> int:
                 print(f"  {name:5} {label}: do_bench {t * 1e3:.1f} us, graph {g * 1e3:.1f} us "
                       f"(x{g / sdpa_ms:.2f} SDPA)  {cfg}", flush=True)
             spread = sorted(r[0] for r in rows)
+            for t, g, cfg, n in sorted(rows, key=lambda r: r[1])[:5]:
+                print(f"  {name:5}   cold graph {g * 1e3:.1f} us, graph {n * 1e3:.1f} us, do_bench {t * 1e3:.1f} us  {cfg}",
+                      flush=True)
             print(f"  {name:5} do_bench times span {spread[0] * 1e3:.1f}-{spread[-1] * 1e3:.1f} us; graph times "
                   f"{min(r[1] for r in rows) * 1e3:.1f}-{max(r[1] for r in rows) * 1e3:.1f} us", flush=True)
             del cases, outs
