@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -116,6 +116,14 @@ if [ "$what" = final ]; then
   timeout 200 python3 -m benchmarks.engine --parts step --no-hf --kv bf16 --async-scheduling \
     --out "$OUT/engine_step.json" >"$OUT/engine_step.log" 2>&1; echo "engine step: exit $?"
   grep '"kind"' "$OUT/engine_step.log" | cut -c1-300
+fi
+if [ "$what" = timer ]; then
+  # Two minutes: the kernel timer's GPU tests and the decode timer at B=1/16K, bf16.
+  timeout 60 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/test_kernel_timer.py >"$OUT/pytest-gpu-timer.log" 2>&1; echo "timer tests: exit $?"
+  tail -3 "$OUT/pytest-gpu-timer.log"
+  timeout 80 python3 -m benchmarks.experiments.decode_timer --schemes bf16 --shapes 1x16384 \
+    >"$OUT/decode_timer.txt" 2>&1; echo "decode timer: exit $?"; cat "$OUT/decode_timer.txt" | cut -c1-220
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"

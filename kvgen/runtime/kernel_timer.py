@@ -61,14 +61,16 @@ def graph_time_ms(fn: Callable[[], Any]) -> float:
     except Exception:  # not capturable (a host sync inside fn, an allocator limit): time it the old way
         torch.cuda.synchronize()
         return do_bench_ms(fn)
+    torch.cuda.current_stream().wait_stream(stream)
     times = []
     for _ in range(REPLAYS):
+        # A graph replays on the stream current at replay(), not the one it was captured on: the
+        # events go on that same stream, or they time nothing.
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
+        start.record()
         graph.replay()
-        end.record(stream)
+        end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     del graph
-    torch.cuda.current_stream().wait_stream(stream)
     return float(sorted(times)[len(times) // 2])
