@@ -48,39 +48,21 @@ def bench(fn, rep_ms: int = 200) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
 
 
-def bench_cold(fns, rounds: int = 4, reps: int = 20) -> float:
+def bench_cold(fns) -> float:
     """Median ms per call of a kernel too short for do_bench, from a CUDA graph of back-to-back calls.
 
     do_bench launches each call from Python after an L2 flush; a call shorter than its own
     launch (a one-layer cache write: ~10 us) then times the launch, and run to run the
     result doubles. Here ``fns`` (each one call on its own inputs, together larger than the
-    L2 cache, so every call finds its data cold as in a real step) are captured ``rounds``
-    times over into one graph, and a replay's time is divided by the calls in it.
+    L2 cache, so every call finds its data cold as in a real step) run in turn, captured
+    into one graph by the runtime's own kernel timer; the time is per call.
     """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:  # compile and warm up outside the capture
+    from kvgen.runtime.kernel_timer import graph_time_ms
+
+    def each():
+        for fn in fns:
             fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(rounds):
-            for fn in fns:
-                fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (rounds * len(fns)))
-    del graph
-    return float(sorted(times)[len(times) // 2])
+    return graph_time_ms(each) / len(fns)
 
 
 def copy_bandwidth() -> float:

@@ -98,7 +98,9 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     (default: the model's positions, at most the capacity).
     ``max_num_seqs``/``max_num_batched_tokens``: the scheduler's batch
     limits (defaults from the capacity). ``enforce_eager``: no CUDA graphs.
-    ``autotune``: tune eager kernel configs on the GPU (graphs use the kernels' shape defaults).
+    ``autotune``: the runtime chooses kernel configs per shape bucket on the GPU (persisted winners,
+    else its model; ``KVGEN_AUTOTUNE=sync`` times candidates on first use); captured graphs take
+    the same choice for their batch bucket.
     ``tp``: tensor-parallel ranks (rank r on cuda:r, NCCL; or gloo processes
     on the CPU); ``engine.close()`` stops them (also at exit).
     ``host_tokens``: tokens of KV pages in a host tier (pinned host memory on

@@ -45,6 +45,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-tokens", type=int, default=None, help="KV capacity in tokens (default: the plan's)")
     p.add_argument("--device", default=None, help="torch device (default: the GPU, else the CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="plan each decode step while the device runs the one before (faster steps on a GPU; "
+                        "not with --tp above 1 or --host-tokens)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file (default: the tokenizer's; for a model without one, "
                         "'<bos>role: content' lines then 'assistant:')")
@@ -93,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)  # before loading: a port in use fails in a second, not after the model
     engine_kwargs = dict(model=args.model, kv=args.kv, dtype=args.dtype, max_model_len=args.max_model_len,
                          max_tokens=args.cache_tokens, device=args.device, enforce_eager=args.enforce_eager,
-                         max_num_seqs=args.max_num_seqs, tp=args.tp, host_tokens=args.host_tokens)
+                         max_num_seqs=args.max_num_seqs, tp=args.tp, host_tokens=args.host_tokens,
+                         async_scheduling=args.async_scheduling)
     if args.engine_in_process:
         from kvgen.engine.loader import build_engine
 
