@@ -53,9 +53,10 @@ def bench_cold(fns) -> float:
 
     do_bench launches each call from Python after an L2 flush; a call shorter than its own
     launch (a one-layer cache write: ~10 us) then times the launch, and run to run the
-    result doubles. Here ``fns`` (each one call on its own inputs, together larger than the
-    L2 cache, so every call finds its data cold as in a real step) run in turn, captured
-    into one graph by the runtime's own kernel timer; the time is per call.
+    result doubles. Here ``fns`` (each one call on its own inputs; where together they are
+    larger than the L2 cache, as 8 sets of a 4096-token write are, every call finds its data
+    cold as in a real step; 8 sets of a 32-token write are not, and stay warm) run in turn,
+    captured into one graph by the runtime's own kernel timer; the time is per call.
     """
     from kvgen.runtime.kernel_timer import graph_time_ms
 

@@ -53,10 +53,12 @@ def test_decode_model_shape_rules():
     assert decode_model(64, 8, 2048, 16, 128, 132)["num_splits"] == 1
     # few programs: about four per SM, capped by the tiles there are and MAX_SPLITS
     assert decode_model(1, 8, 131072, 16, 128, 132)["num_splits"] == 66
-    assert decode_model(1, 8, 256, 16, 128, 132)["num_splits"] == 1  # 16 pages = 2 tiles of 8: too few to split
+    assert decode_model(1, 8, 256, 16, 128, 132)["num_splits"] == 2  # 16 pages = 2 tiles of 8
     # a split streams at least 4 tiles: 16K tokens = 128 tiles of 128 -> 32 splits, not 66
     assert decode_model(1, 8, 16384, 16, 128, 132)["num_splits"] == 32
-    assert decode_model(1, 8, 4096, 16, 128, 132)["num_splits"] == 8
+    # ... unless that leaves SMs without a program: 4K = 32 tiles -> 17 splits (8 x 17 >= 132), not 8
+    assert decode_model(1, 8, 4096, 16, 128, 132)["num_splits"] == 17
+    assert decode_model(1, 8, 2048, 16, 128, 132)["num_splits"] == 16  # every tile its own split, as before
     assert decode_model(1, 1, 1 << 20, 16, 128, 132, max_splits=128)["num_splits"] == 128
     # more SMs, more splits; wide heads take 32-token tiles as the template does
     assert decode_model(8, 8, 32768, 16, 128, 78)["num_splits"] < decode_model(8, 8, 32768, 16, 128, 132)["num_splits"]

@@ -46,6 +46,8 @@ def test_a_call_that_cannot_be_captured_is_timed_the_old_way():
     """A host synchronization inside fn breaks capture: the timer falls back to do_bench and CUDA stays usable."""
     _cuda()
     x = torch.ones(1024, device="cuda")
+    before = torch.cuda.current_stream()
     ms = graph_time_ms(lambda: x.sum().item())
     assert 0 < ms < 100
+    assert torch.cuda.current_stream() == before  # the failed capture's stream is not left current
     assert torch.cuda.is_available() and x.sum().item() == 1024.0

@@ -83,9 +83,12 @@ def test_a_staged_prefill_winner_warms_both_kernels_it_can_launch(monkeypatch, t
     # the tuner's staged candidate (staging decided per step) won
     winner = next(c for c in module.candidates(8, 256, 1024) if c.get("staged") == 2)
     _persist(cache, "prefill", "prefill/b8/q256/s1024", winner)
-    todo = [s for s in scenarios(cache) if s.op == "prefill" and s.config.get("block_m") == winner["block_m"]
-            and s.config.get("pages_per_tile") == winner["pages_per_tile"]
-            and s.config.get("num_stages") == winner["num_stages"]]
+    # in place, the winner runs with the in-place tile (its own 128-token tile would spill dequantized there)
+    in_place = module.in_place_config(winner)
+    assert in_place["pages_per_tile"] <= winner["pages_per_tile"] and in_place["staged"] == 0
+    assert module.step_config(winner, [4], [256], fresh=True) == in_place  # a short chunk: in place
+    assert module.step_config(winner, [256], [1024], fresh=True) == dict(winner, staged=1)  # a long one: staged
+    todo = [s for s in scenarios(cache) if s.op == "prefill" and s.config in (in_place, dict(winner, staged=1))]
     assert sorted(s.config["staged"] for s in todo) == [0, 1]
     staged_launches = []
     original = module._staging
@@ -96,6 +99,27 @@ def test_a_staged_prefill_winner_warms_both_kernels_it_can_launch(monkeypatch, t
     monkeypatch.setattr(module, "_staging", spy)
     report = warm_up(cache, force=True, only=todo)
     assert report.skipped is None and sorted(staged_launches) == [False, True]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_the_staged_tile_is_not_run_in_place(scheme):
+    """bf16 compute, D=128: the staged candidate's 128-token, 3-stage tile runs staged; read in place, the
+    in-place default's tile (a dequantized float32 tile that wide spills on sm_90)."""
+    from kvgen.codegen.loader import load_kernel
+    from kvgen.codegen.spec import KernelSpec
+    from kvgen.registry import default_registry
+
+    spec = KernelSpec(op="prefill", scheme=scheme, head_dim=128, num_kv_heads=8, gqa_group=8, page_size=16,
+                      compute_dtype="bfloat16", arch="sm_90")
+    module = load_kernel(spec, default_registry().schemes[scheme])
+    staged = module.candidates(4, 8192, 8192)[1]
+    assert staged["staged"] == 2 and staged["pages_per_tile"] * 16 == 128 and staged["num_stages"] == 3
+    in_place = module.in_place_config(staged)
+    default = module.default_config(4, 8192, 8192, "cuda")
+    assert in_place == dict(staged, staged=0, pages_per_tile=default["pages_per_tile"],
+                            num_stages=default["num_stages"])
+    assert module.step_config(staged, [8], [8192], fresh=True) == in_place
+    assert module.in_place_config(default) == default  # an in-place config is left alone
 
 
 def _state(cache):

@@ -30,10 +30,12 @@ DECODE_TILE_TOKENS = 128
 DECODE_WIDE_TILE_TOKENS = 32   # past D=128 (the template's own choice: K+V stages fit shared memory)
 DECODE_PROGRAMS_PER_SM = 4
 DECODE_MIN_TILES_PER_SPLIT = 4
-"""A split streams at least this many tiles: the in-kernel combine and each program's start are fixed
-costs. B=1, 16K tokens, 8 KV heads on an H200 (2026-12-02-nvidia-h200-3/decode_timer.txt, CUDA-graph
-times): 33 splits of 128-token tiles (4 tiles each) decoded a layer in 25.8 us where 66 splits of 32-token
-tiles took 30.0; at 131072 tokens the cap leaves the 33-66 splits measured before."""
+"""A split streams at least this many tiles, as long as that still leaves a program per SM: the in-kernel
+combine and each program's start are fixed costs. B=1, 16K tokens, 8 KV heads, 128-token tiles on an H200
+(2026-12-02-nvidia-h200-3, CUDA-graph times): 33 splits (4 tiles each) decoded a layer in 26.0-26.1 us,
+66 splits (2 tiles each) in 29.2 (final/ and timer/decode_timer.txt); 32 splits, this rule's choice, 25.1.
+At 131072 tokens the cap leaves the 33-66 splits measured before; below about 2K tokens the
+program-per-SM floor keeps the old choice (not measured there)."""
 
 
 def decode_model(batch: int, kv_heads: int, max_seq_len: int, page: int, head_dim: int, sms: int,
@@ -44,7 +46,7 @@ def decode_model(batch: int, kv_heads: int, max_seq_len: int, page: int, head_di
     programs = max(1, batch * kv_heads)
     splits = 1 if programs >= sms else -(-DECODE_PROGRAMS_PER_SM * sms // programs)
     tiles = max(1, -(-max(1, -(-max_seq_len // page)) // ppt))
-    splits = min(splits, max(1, tiles // DECODE_MIN_TILES_PER_SPLIT))
+    splits = max(min(splits, tiles // DECODE_MIN_TILES_PER_SPLIT), min(-(-sms // programs), tiles))
     return {"num_splits": max(1, min(splits, tiles, max_splits)), "pages_per_tile": ppt,
             "num_warps": 4, "num_stages": 2}
 

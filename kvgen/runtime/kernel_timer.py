@@ -27,6 +27,7 @@ TARGET_MS = 1.0
 """Calls per graph are chosen so a replay lasts about this long (per-replay overhead below 1%)."""
 MAX_CALLS = 200
 REPLAYS = 11
+LONG_REPLAYS = 3
 
 
 def do_bench_ms(fn: Callable[[], Any]) -> float:
@@ -39,8 +40,9 @@ def graph_time_ms(fn: Callable[[], Any]) -> float:
     """Median milliseconds per call of ``fn`` replayed from a CUDA graph (do_bench where it cannot be)."""
     if not torch.cuda.is_available():
         return do_bench_ms(fn)
+    caller = torch.cuda.current_stream()
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
+    stream.wait_stream(caller)
     try:
         with torch.cuda.stream(stream):
             # Warm up on the capture stream: buffers a launch keeps per stream (split counters,
@@ -59,11 +61,16 @@ def graph_time_ms(fn: Callable[[], Any]) -> float:
             for _ in range(calls):
                 fn()
     except Exception:  # not capturable (a host sync inside fn, an allocator limit): time it the old way
+        # torch.cuda.graph restores the caller's stream only after a successful capture_end: when the
+        # capture was invalidated, that raised first and left the capture stream current.
+        torch.cuda.set_stream(caller)
         torch.cuda.synchronize()
         return do_bench_ms(fn)
-    torch.cuda.current_stream().wait_stream(stream)
+    caller.wait_stream(stream)
     times = []
-    for _ in range(REPLAYS):
+    # A call of a millisecond or more is its own graph: a few replays are enough, and a long prefill
+    # candidate then costs about what do_bench spent on it, not 11 of its runs.
+    for _ in range(REPLAYS if calls > 1 else LONG_REPLAYS):
         # A graph replays on the stream current at replay(), not the one it was captured on: the
         # events go on that same stream, or they time nothing.
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

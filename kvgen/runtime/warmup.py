@@ -202,8 +202,10 @@ def scenarios(cache: Any) -> list[Scenario]:
     if "prefill" in cache.kernels:
         # staged 2 picks per step between the in-place kernel and staging + the staged kernel: warm both
         # (an in-place twin may be a default listed already)
+        module = cache.kernels["prefill"]
+        in_place = getattr(module, "in_place_config", lambda c: dict(c, staged=0))  # the tile it runs in place
         forced = [c for cfg in prefill_configs(cache)
-                  for c in ([dict(cfg, staged=0), dict(cfg, staged=1)] if cfg.get("staged") else [cfg])]
+                  for c in ([in_place(cfg), dict(cfg, staged=1)] if cfg.get("staged") else [cfg])]
         for cfg in {json.dumps(c, sort_keys=True): c for c in forced}.values():
             out.append(Scenario("prefill", 1, P, P, cfg, why="prefill of a fresh chunk over a cached prefix"
                                 + (" through the staging buffer" if cfg.get("staged") else "")))
