@@ -259,3 +259,38 @@ def test_a_typo_in_KVGEN_PLUGINS_is_a_one_line_error_naming_the_available_plugin
     code, out, err = run_cli(capsys, ["schemes"])
     assert code == 2 and out == ""
     assert err.startswith("kvgen: error: KVGEN_PLUGINS names 'kivvi'") and len(err.strip().splitlines()) == 1
+
+
+# -- a scheme whose macros follow an older contract ------------------------------------------------------------
+
+def test_macros_written_for_the_old_store_tokens_contract_fail_with_the_scheme_named(tmp_path):
+    """store_tokens took one token (6 arguments) before it took a tile (7): such a plugin's cache write must
+    fail with a PluginError naming the scheme and the guide, not with a Jinja traceback."""
+    from kvgen.codegen.render import render_kernel
+    from kvgen.codegen.spec import KernelSpec
+    from kvgen_plugins.float_schemes import FP16
+
+    float_macros = (Path(__file__).parents[1] / "templates" / "triton" / "schemes" / "float.j2").read_text()
+    start = float_macros.index("{% macro store_tokens(")
+    end = float_macros.index("{% endmacro %}", start) + len("{% endmacro %}")
+    old = ("{% macro store_tokens(k, v, base, slot, offs_d, L) %}\n"
+           "tl.store({{ L.t.k.ptr }} + {{ base }} * {{ L.t.k.stride }} + {{ slot }} * {{ L.head_dim }} + {{ offs_d }}, "
+           "{{ k }})\n{% endmacro %}")
+    (tmp_path / "oldmacros").mkdir()
+    (tmp_path / "oldmacros" / "old16.j2").write_text(float_macros[:start] + old + float_macros[end:])
+
+    class Old16(FP16):
+        name = "old16"
+        macro_template = "oldmacros/old16.j2"
+
+    schemes, templates = _registers("schemes", Old16()), _registers("templates", tmp_path)
+    reg = load_registry(extra_plugins=(schemes(), templates()))
+    spec = KernelSpec(op="cache_write", scheme="old16", head_dim=64, num_kv_heads=2, gqa_group=2, page_size=16,
+                      compute_dtype="float16", arch="sm_90")
+    with pytest.raises(PluginError, match=r"cache_write kernel of scheme 'old16' \(macros oldmacros/old16.j2\) "
+                                          r"failed: TypeError: .*store_tokens.*plugin-guide.md"):
+        render_kernel(spec, reg.schemes["old16"], reg)
+    # its decode still renders: only the changed macro's callers fail
+    assert "def launch" in render_kernel(KernelSpec(op="decode", scheme="old16", head_dim=64, num_kv_heads=2,
+                                                    gqa_group=2, page_size=16, compute_dtype="float16", arch="sm_90"),
+                                         reg.schemes["old16"], reg)

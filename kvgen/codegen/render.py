@@ -21,6 +21,7 @@ import jinja2
 import kvgen
 from kvgen.codegen.layout import LayoutContext, residual_layout, scheme_layout
 from kvgen.codegen.spec import KernelSpec
+from kvgen.errors import PluginError
 from kvgen.registry import Registry, default_registry
 from kvgen.schemes import Scheme
 
@@ -86,9 +87,17 @@ def render_sources(spec: KernelSpec, scheme: Scheme, registry: Registry | None =
         from kvgen.codegen import cuda
 
         return cuda.render(spec, scheme, L, R, env, header(spec, registry), template_hash(registry))
-    body = env.get_template(f"triton/{spec.op}.j2").render(
-        spec=spec, L=L, R=R, residual=scheme.residual_tokens is not None,
-        residual_pages=scheme.residual_pages(spec.page_size), scheme=scheme)
+    try:
+        body = env.get_template(f"triton/{spec.op}.j2").render(
+            spec=spec, L=L, R=R, residual=scheme.residual_tokens is not None,
+            residual_pages=scheme.residual_pages(spec.page_size), scheme=scheme)
+    except (TypeError, jinja2.TemplateError) as e:
+        # Most likely a scheme's macros written for another contract (e.g. store_tokens before it took
+        # tiles): name the scheme and its macros, not a line of a generated Jinja frame.
+        raise PluginError(f"rendering the {spec.op} kernel of scheme {scheme.name!r} (macros "
+                          f"{scheme.macro_template}) failed: {type(e).__name__}: {e}; the macros must take the "
+                          f"arguments docs/plugin-guide.md lists (store_tokens, for one, takes a tile of tokens "
+                          f"since 2026-12-02)") from e
     return {".py": header(spec, registry) + body}
 
 
