@@ -279,6 +279,14 @@ WRITE_COPIES = 8
 """Independent input sets a write is timed over (bench_cold): 8 x ~30 MB at 4096 tokens, past the L2 cache."""
 
 
+def plain_copy_ms(nbytes: int) -> float:
+    """bench_cold of a device copy moving ``nbytes`` (half read, half written) over WRITE_COPIES buffer pairs:
+    what a kernel of that size reaches at all."""
+    copies = [(torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda"),
+               torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")) for _ in range(WRITE_COPIES)]
+    return bench_cold([lambda d=d, s=s: d.copy_(s) for d, s in copies])
+
+
 def write_records(schemes, copy_bw, log):
     """Cache write (quantize + scatter) of one decode step (32 tokens) and of a 4096-token prefill.
 
@@ -295,17 +303,15 @@ def write_records(schemes, copy_bw, log):
             cases = [write_case(scheme, N, Hkv, D, prompt=N != 32) for _ in range(WRITE_COPIES)]
             nbytes = cases[0][4]
             ms = bench_cold([lambda c=c: mod.launch(*c[:4]) for c in cases])
-            copies = [(torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda"),
-                       torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")) for _ in range(WRITE_COPIES)]
-            copy_ms = bench_cold([lambda d=d, s=s: d.copy_(s) for d, s in copies])
+            copy_ms = plain_copy_ms(nbytes)
+            copy_fraction = nbytes / (copy_ms * 1e-3) / copy_bw
             rec = dict(op="write", scheme=name, B=N, L=1, Hq=64, Hkv=Hkv, D=D, page_size=PAGE, ms=ms, bytes=nbytes,
                        bw_fraction=nbytes / (ms * 1e-3) / copy_bw, sdpa_ms=None, rel_error=None,
                        config=mod.default_config(N), copy_ms=copy_ms,
-                       copy_fraction=nbytes / (copy_ms * 1e-3) / copy_bw,
-                       note=f"{label}; a plain copy of as many bytes: {nbytes / (copy_ms * 1e-3) / copy_bw:.3f}")
+                       copy_fraction=copy_fraction, note=f"{label}; a plain copy of as many bytes: {copy_fraction:.3f}")
             log(rec)
             records.append(rec)
-            del cases, copies
+            del cases
             torch.cuda.empty_cache()
     return records
 

@@ -14,8 +14,6 @@ L2): do_bench times the Python launch of a kernel this short.
 
 import sys
 
-import torch
-
 from benchmarks import run as bench_run
 
 PAGE, Hkv, D, N = 16, 8, 128, 4096
@@ -28,10 +26,7 @@ def main() -> int:
         mod, scheme = bench_run.kernel_module("cache_write", name, Hkv, 8, D)
         cases = [bench_run.write_case(scheme, N, Hkv, D) for _ in range(bench_run.WRITE_COPIES)]
         nbytes = cases[0][4]
-        copies = [(torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda"),
-                   torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")) for _ in range(bench_run.WRITE_COPIES)]
-        ms = bench_run.bench_cold([lambda d=d, s=s: d.copy_(s) for d, s in copies])
-        del copies
+        ms = bench_run.plain_copy_ms(nbytes)
         print(f"{name:5} plain copy of the same bytes  {ms:.4f} ms  bw {nbytes / (ms * 1e-3) / copy_bw:.3f}", flush=True)
         default = mod.default_config(N)
         for tpp in (2, 4, 8, 16, 32):
