@@ -57,6 +57,7 @@ BUILD_SPECS = [
     _spec("int8", head_dim=64, gqa=20, page=8, dtype="float16", heads=2, sliding_window=40, softcap=30.0),
     _spec("fp16", head_dim=256, gqa=1, page=32, dtype="bfloat16", heads=4),
     _spec("int4", head_dim=64, gqa=4, page=32, dtype="float16", heads=2, sliding_window=40),  # KIVI + residual pool
+    _spec("fp8", head_dim=128, gqa=4, page=16, dtype="bfloat16", heads=2, softcap=20.0),
 ]
 
 
@@ -91,10 +92,13 @@ def test_unsupported_specs_name_a_reason():
         "multiple of 16": (_spec("int4", page=8), "int4"),  # residual schemes need whole tiles per page
         "4-bit": (_spec("int2"), "int2"),
         "KIVI reader needs": (_spec("int4", head_dim=96), "int4"),
-        "CUDA macros": (_spec("fp8"), "fp8"),
+        "CUDA macros": (_spec("nuq4"), "nuq4"),
+        "fp8 reader needs": (_spec("fp8", head_dim=80), "fp8"),
         "sm_80": (dataclasses.replace(_spec(), arch="sm_75"), "bf16"),
     }
     for word, (spec, scheme) in cases.items():
+        if scheme not in reg.schemes:
+            continue  # a plugin this install lacks
         reason = cuda_backend.reason_unsupported(spec, reg.schemes[scheme])
         assert reason and word in reason, (word, reason)
     assert cuda_backend.reason_unsupported(_spec("int8"), reg.schemes["int8"]) is None
@@ -293,9 +297,9 @@ def test_auto_backend_keeps_triton_default_and_adds_cuda_variant(tmp_path):
 def test_schemes_without_cuda_macros_stay_triton(tmp_path):
     from kvgen.codegen.package import compile_plan
 
-    if "fp8" not in default_registry().schemes:
-        pytest.skip("fp8 plugin not loaded")
-    res = compile_plan(_plan("fp8"), tmp_path / "pkg", backend="cuda", build=False)
+    if "nuq4" not in default_registry().schemes:
+        pytest.skip("the kvgen-nuq plugin (a scheme without CUDA macros) is not installed")
+    res = compile_plan(_plan("nuq4"), tmp_path / "pkg", backend="cuda", build=False)
     assert not any(p.endswith(".cu") for p in res.files)
     assert any("decode stays Triton" in n and "no CUDA macros" in n for n in res.notes)
 
@@ -309,18 +313,20 @@ def test_unknown_backend_is_a_one_line_error(tmp_path):
     assert isinstance(info.value, KvgenError) and not (tmp_path / "pkg").exists()
 
 
-def test_16_bit_pages_are_built_and_tuned_for_one_tile_in_flight_only():
-    """A second register buffer of 16-bit pages spills: their library has depth 1 only, so the tuner never
-    times the same kernel twice; 8- and 4-bit pages get both depths."""
+def test_16_bit_pages_are_built_and_tuned_for_two_stages_only():
+    """Three 8 KB stages of 16-bit pages a warp would not fit an A100's shared memory at 8 warps: their library
+    has 2 stages only, so the tuner never times a config that cannot launch; 8- and 4-bit pages get every
+    depth, and the default config is one the library has."""
     from kvgen.codegen.loader import load_kernel
 
-    for scheme, depths in (("bf16", [1]), ("int8", [1, 2]), ("int4", [1, 2])):
+    for scheme, depths in (("bf16", [2]), ("int8", [2, 3, 4]), ("int4", [2, 3, 4])):
         spec = dataclasses.replace(_spec(scheme, head_dim=64, gqa=2, heads=1), arch="cpu")
         mod = load_kernel(spec, default_registry().schemes[scheme])
         assert list(mod.DEPTHS) == depths
         assert sorted({c["depth"] for c in mod.candidates(4, 1024)}) == depths
+        assert mod.default_config(4, 1024)["depth"] in depths
         src = _sources(spec)[".cu"]
-        assert [d for d in (1, 2) if f"launch_decode<4, {d}>" in src] == depths
+        assert [d for d in (1, 2, 3, 4) if f"launch_decode<4, {d}>" in src] == depths
 
 
 def test_cuda_decode_refuses_cpu_tensors_with_a_clear_error():
@@ -350,6 +356,8 @@ GPU_CASES = [  # scheme, head_dim, gqa, page, compute dtype, kv heads
     ("fp16", 128, 8, 16, "float16", 8),
     ("int8", 128, 8, 16, "bfloat16", 8),
     ("int8", 64, 8, 16, "float16", 4),
+    ("fp8", 128, 8, 16, "bfloat16", 8),
+    ("fp8", 64, 4, 8, "float16", 2),
     ("bf16", 64, 4, 32, "bfloat16", 2),
     ("int8", 128, 4, 8, "bfloat16", 2),
     ("fp16", 256, 1, 16, "float16", 2),
@@ -403,23 +411,23 @@ def test_gpu_cuda_decode_page_boundaries_and_ragged(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["bf16", "int8", "int4"])
-@pytest.mark.parametrize("splits,warps,depth", [(1, 4, 1), (1, 8, 2), (3, 4, 2), (16, 8, 1), (128, 4, 2), (2, 4, 2)])
+@pytest.mark.parametrize("scheme", ["bf16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("splits,warps,depth", [(1, 4, 2), (1, 8, 3), (3, 4, 4), (16, 8, 2), (128, 4, 4), (2, 8, 4)])
 def test_gpu_cuda_decode_splits_warps_and_depth(scheme, splits, warps, depth):
-    # lengths whose per-warp tile counts are odd and even, so a depth-2 pipeline ends on either buffer
-    depth = 1 if scheme == "bf16" else depth  # 16-bit pages are built for depth 1 only
+    # lengths whose per-warp tile counts are below, at and past every depth, so a pipeline ends on any stage
+    depth = 2 if scheme == "bf16" else depth  # 16-bit pages are built for 2 stages only
     _gpu_decode(scheme, 128, 8, 16, "bfloat16", 4, [4099, 1, 0, 640, 33, 16 * 4 * 3 + 5],
                 config={"num_splits": splits, "num_warps": warps, "depth": depth})
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("scheme", ["fp16", "int8", "fp8", "int4"])
 def test_gpu_cuda_decode_window_and_softcap(scheme):
     p = 16
     for window, softcap in ((40, 0.0), (0, 20.0), (100, 30.0)):
-        _gpu_decode(scheme, 64, 4, 8 if scheme == "int8" else p, "float16", 2, [7, 41, 300, 1025],
+        _gpu_decode(scheme, 64, 4, 8 if scheme in ("int8", "fp8") else p, "float16", 2, [7, 41, 300, 1025],
                     window=window, softcap=softcap, q_scale=3.0,
-                    config={"num_splits": 4, "num_warps": 4, "depth": 1 if scheme == "fp16" else 2})
+                    config={"num_splits": 4, "num_warps": 4, "depth": 2})
 
 
 @pytest.mark.gpu

@@ -36,9 +36,9 @@ OPS = ("decode",)
 """Ops with a CUDA template."""
 WARPS = (4, 8)
 """Warps per program the decode library is built for (one template instance each)."""
-DEPTHS = (1, 2)
-"""Tiles in flight per warp (register buffers) the decode library is built for; pages of 16-bit elements are
-built for 1 only (a second register buffer of them spills; see :func:`depths_for`)."""
+DEPTHS = (2, 3, 4)
+"""Shared-memory stages per warp (tiles in flight: one fewer) the decode library is built for; pages of 16-bit
+elements are built for 2 only (see :func:`depths_for`)."""
 ABI_VERSION = 2
 """The version of kvgen_decode's parameter list: rendered into the library and into the module that checks it."""
 MIN_ARCH = 80
@@ -104,8 +104,10 @@ def render(spec: KernelSpec, scheme: Scheme, L: LayoutContext, R: LayoutContext,
 
 
 def depths_for(L: LayoutContext) -> tuple[int, ...]:
-    """The pipeline depths built for a scheme's pages: :data:`DEPTHS`, or 1 alone for 16-bit elements."""
-    return (1,) if dtype_bytes(L.t[L.tensor_order[0]].dtype) > 1 else DEPTHS
+    """The pipeline depths built for a scheme's pages: :data:`DEPTHS`, or 2 alone for 16-bit elements (a stage
+    of 16 bf16 rows at D=128 is 8 KB: two a warp already keep 64 KB in flight per SM, and three at 8 warps would
+    not fit an A100's shared memory)."""
+    return (DEPTHS[0],) if dtype_bytes(L.t[L.tensor_order[0]].dtype) > 1 else DEPTHS
 
 
 def reason_unsupported(spec: KernelSpec, scheme: Scheme, registry: Registry | None = None) -> str | None:
