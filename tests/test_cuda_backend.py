@@ -50,8 +50,9 @@ def _sources(spec: KernelSpec) -> dict[str, str]:
 
 
 # Few, small builds (CI has 2 shared cores), yet every template, every CUDA macro file and every template
-# branch: the Llama-3-70B shard shape; int8 with fp16 compute, two MMA row tiles (G=20), pages smaller than a
-# tile, a sliding window and a softcap; fp16 pages under bf16 compute at D=256 with one query head per KV head.
+# branch: the Llama-3-70B shard shape; int8 with fp16 compute, three MMA column tiles of the group (G=20),
+# pages smaller than a tile, a sliding window and a softcap; fp16 pages under bf16 compute at D=256 with one
+# query head per KV head; KIVI with its residual pool; fp8 with a softcap.
 BUILD_SPECS = [
     _spec(),
     _spec("int8", head_dim=64, gqa=20, page=8, dtype="float16", heads=2, sliding_window=40, softcap=30.0),
@@ -88,6 +89,8 @@ def test_unsupported_specs_name_a_reason():
         "prefill": (dataclasses.replace(_spec(), op="prefill"), "bf16"),
         "float32": (_spec("fp32", dtype="float32"), "fp32"),
         "head_dim": (_spec(head_dim=72), "bf16"),
+        "16-bit pages needs": (_spec(head_dim=80), "bf16"),  # a multiple of 16 the readers' geometry cannot tile
+        "int8 reader needs": (_spec("int8", head_dim=96), "int8"),
         "page size": (_spec(page=24), "bf16"),
         "multiple of 16": (_spec("int4", page=8), "int4"),  # residual schemes need whole tiles per page
         "4-bit": (_spec("int2"), "int2"),
@@ -341,6 +344,11 @@ def test_cuda_decode_refuses_cpu_tensors_with_a_clear_error():
     i32 = lambda *s: torch.zeros(*s, dtype=torch.int32)  # noqa: E731
     with pytest.raises(cuda_loader.CudaBuildError, match="CUDA device"):
         mod.launch(q, torch.empty_like(q), pools, i32(1, 1), i32(1), i32(1), 0.125)
+    # pages are copied with 16-byte cp.async: a pool starting 2 bytes into its storage is refused, not read
+    odd = torch.zeros(2 * 16 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 1, 16, 64)
+    assert odd.is_contiguous() and odd.data_ptr() % 16
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        mod.launch(q, torch.empty_like(q), dict(pools, k=odd), i32(1, 1), i32(1), i32(1), 0.125)
 
 
 # --------------------------------------------------------------------------- GPU numerics
@@ -448,3 +456,13 @@ def test_gpu_cuda_decode_real_size_matches_triton(scheme):
     torch.cuda.synchronize()
     assert hz.rel_l2(out_c, out_t) < 1e-2, "CUDA and Triton decode disagree"
     assert hz.rel_l2(out_t, ref) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_config_too_large_for_shared_memory_fails_alone():
+    """16-bit pages at D=256, 8 warps x 2 stages need 256 KB of shared memory, more than any GPU has: that
+    launch fails with a CUDA error (the tuner skips such a candidate), and the next launch of the same library
+    runs and is right instead of reporting the old error."""
+    with pytest.raises(cuda_loader.CudaBuildError, match="kernel launch failed"):
+        _gpu_decode("fp16", 256, 2, 16, "float16", 2, [33, 300], config={"num_splits": 1, "num_warps": 8, "depth": 2})
+    _gpu_decode("fp16", 256, 2, 16, "float16", 2, [33, 300], config={"num_splits": 1, "num_warps": 4, "depth": 2})

@@ -106,7 +106,9 @@ def render(spec: KernelSpec, scheme: Scheme, L: LayoutContext, R: LayoutContext,
 def depths_for(L: LayoutContext) -> tuple[int, ...]:
     """The pipeline depths built for a scheme's pages: :data:`DEPTHS`, or 2 alone for 16-bit elements (a stage
     of 16 bf16 rows at D=128 is 8 KB: two a warp already keep 64 KB in flight per SM, and three at 8 warps would
-    not fit an A100's shared memory)."""
+    not fit an A100's shared memory). Some built configs still exceed a device's shared memory (16-bit D=256 at
+    8 warps; 8-bit D=256 at 8 warps and 4 stages): their launch fails with a CUDA error the tuner skips, and
+    the default config (4 warps, 2 stages) fits every sm_80+ device."""
     return (DEPTHS[0],) if dtype_bytes(L.t[L.tensor_order[0]].dtype) > 1 else DEPTHS
 
 

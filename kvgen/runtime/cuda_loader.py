@@ -247,7 +247,7 @@ def launch_error(source_path: str | os.PathLike, code: int) -> CudaBuildError:
     """The error to raise for a nonzero return of a kernel library's launch function."""
     name = Path(source_path).name
     if code == -1:
-        return CudaBuildError(f"{name}: this library was not built for the requested num_warps")
+        return CudaBuildError(f"{name}: this library was not built for the requested num_warps and depth")
     err = _ERRORS.get(os.fspath(source_path))
     what = err(code).decode(errors="replace") if err else f"CUDA error {code}"
     return CudaBuildError(f"{name}: kernel launch failed: {what}")
