@@ -52,13 +52,17 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+KERNEL_BACKEND = "triton"
+"""The kvgen engines' kernel language (``--kernel-backend``; recorded in the JSON's top level)."""
+
+
 def make_engine(kv: str, *, max_model_len: int, max_num_seqs: int, max_tokens: int | None = None, eager=False,
                 async_scheduling: bool = False):
     from kvgen.engine.loader import build_engine
 
     return build_engine(config=LLAMA3_8B, kv=kv, dtype="bfloat16", device="cuda", max_model_len=max_model_len,
                         max_num_seqs=max_num_seqs, max_tokens=max_tokens, enforce_eager=eager,
-                        async_scheduling=async_scheduling)
+                        async_scheduling=async_scheduling, kernel_backend=KERNEL_BACKEND)
 
 
 def release(holder: list) -> None:
@@ -280,8 +284,15 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-bound-gb", type=float, default=16.0)
     ap.add_argument("--async-scheduling", action="store_true",
                     help="step part: time kvgen's steps with async scheduling too (records with async_scheduling true)")
+    from kvgen.codegen.spec import BACKEND_CHOICES
+
+    ap.add_argument("--kernel-backend", default="triton", choices=BACKEND_CHOICES,
+                    help="the kvgen engines' kernels (cuda: the CUDA decode kernel where the scheme has one)")
     args = ap.parse_args(argv)
     import triton
+
+    global KERNEL_BACKEND
+    KERNEL_BACKEND = args.kernel_backend
 
     kvs = args.kv.split(",")
     parts = set(args.parts.split(","))
@@ -291,7 +302,7 @@ def main(argv=None) -> int:
     records: list[dict] = []
     doc = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                copy_bandwidth=bw, date=datetime.datetime.now(datetime.timezone.utc).isoformat(), quick=q,
-               records=records)
+               kernel_backend=KERNEL_BACKEND, records=records)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 

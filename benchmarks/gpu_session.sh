@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -124,6 +124,21 @@ if [ "$what" = timer ]; then
   tail -3 "$OUT/pytest-gpu-timer.log"
   timeout 80 python3 -m benchmarks.experiments.decode_timer --schemes bf16 --shapes 1x16384 \
     >"$OUT/decode_timer.txt" 2>&1; echo "decode timer: exit $?"; cat "$OUT/decode_timer.txt" | cut -c1-220
+fi
+if [ "$what" = cuda-engine ]; then
+  # About 9 minutes: the CUDA decode kernel inside the engine (issues 14 and 16), not yet run there: the
+  # CUDA backend's GPU tests after the review mends, the engine's graph-vs-eager test with the CUDA decode,
+  # then the engine's steps (bf16 and int4 KV, async scheduling) and the KV-bound throughput with it.
+  par=""; python3 -c "import xdist" 2>/dev/null && par="-n 12"
+  timeout 150 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/test_cuda_backend.py tests/engine/test_gpu.py >"$OUT/pytest-gpu-cuda-engine.log" 2>&1
+  echo "CUDA backend + engine GPU tests: exit $? (124: cut)"; tail -3 "$OUT/pytest-gpu-cuda-engine.log"
+  timeout 200 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-scheduling \
+    --kernel-backend cuda --out "$OUT/engine_step_cuda.json" >"$OUT/engine_step_cuda.log" 2>&1
+  echo "engine step (cuda decode): exit $?"; grep '"kind"' "$OUT/engine_step_cuda.log" | cut -c1-300
+  timeout 200 python3 -m benchmarks.engine --parts kvbound --no-hf --kv bf16,int4 --kernel-backend cuda \
+    --out "$OUT/engine_kvbound_cuda.json" >"$OUT/engine_kvbound_cuda.log" 2>&1
+  echo "KV-bound (cuda decode): exit $?"; grep '"kind"' "$OUT/engine_kvbound_cuda.log" | cut -c1-300
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"

@@ -39,6 +39,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action="store_true",
                    help="plan each decode step while the device runs the one before (faster steps on a GPU; "
                         "not with --tp above 1 or --host-tokens)")
+    from kvgen.codegen.spec import BACKEND_CHOICES  # light: no Jinja, no torch
+
+    p.add_argument("--backend", default="triton", choices=BACKEND_CHOICES,
+                   help="kernel language, as in 'kvgen compile': triton (default); cuda (the CUDA decode kernel "
+                        "where the scheme has one: faster int8/fp8/int4 KV on a GPU; nvcc builds it once); auto")
     if not any(a.dest == "json" for a in p._actions):
         p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
 
@@ -63,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(args.model, kv=args.kv, dtype=args.dtype, max_model_len=args.max_model_len,
               max_tokens=args.cache_tokens, device=args.device, enforce_eager=args.enforce_eager, max_num_seqs=1,
               tp=getattr(args, "tp", 1), host_tokens=getattr(args, "host_tokens", None),
-              async_scheduling=getattr(args, "async_scheduling", False))
+              async_scheduling=getattr(args, "async_scheduling", False),
+              kernel_backend=getattr(args, "backend", "triton"))
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)

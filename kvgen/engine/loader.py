@@ -76,6 +76,16 @@ def _eos_ids(folder: Path | None, cfg: ModelConfig, tokenizer: Any) -> set[int]:
     return ids
 
 
+def check_kernel_backend(backend: str, device: torch.device) -> None:
+    """BackendError (codegen's) for an unknown backend; EngineError for one the engine cannot run on ``device``."""
+    from kvgen.codegen.package import check_backend
+
+    check_backend(backend)
+    if backend != "triton" and device.type != "cuda":
+        raise EngineError(f"the {backend} kernel backend runs CUDA kernels; the engine is on {device}: use "
+                          "--backend triton there (the default)")
+
+
 def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: Any = None,
                  device: torch.device | str | None = None, max_num_seqs: int | None = None,
                  max_model_len: int | None = None, max_tokens: int | None = None,
@@ -83,7 +93,8 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
                  enforce_eager: bool = False, config: dict[str, Any] | None = None, seed: int = 0,
                  autotune: bool = True, verbose: bool = True, tp: int = 1, host_tokens: int | str | None = None,
                  staging_tokens: int | None = None, preemption_mode: str | None = None,
-                 gguf_file: str | Path | None = None, async_scheduling: bool = False) -> LLMEngine:
+                 gguf_file: str | Path | None = None, async_scheduling: bool = False,
+                 kernel_backend: str = "triton") -> LLMEngine:
     """An engine for the model folder ``model`` (or, with ``config=`` a config.json dict, random weights).
 
     ``model`` may also be a ``.gguf`` file, or a folder with ``gguf_file``
@@ -111,6 +122,10 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     each steady decode step while the device runs the previous one (a
     one-step lag, as vLLM V1's; see :attr:`LLMEngine.async_scheduling`);
     needs ``tp=1`` and no host tier (EngineError otherwise, before anything loads).
+    ``kernel_backend``: the kernels' language, as ``kvgen compile --backend``: ``triton`` (default),
+    ``cuda`` (the CUDA decode kernel wherever the scheme has CUDA macros: int8, fp8, KIVI int4, 16-bit
+    pages; Triton for every other op), ``auto`` (both packaged; the runtime's tuner chooses). cuda and auto
+    need a CUDA device (EngineError otherwise, before anything loads).
     """
     from kvgen.integrations.transformers import compile_for_model, plan_for_model
     from kvgen.runtime import default_device
@@ -137,6 +152,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     weights_source = gguf_path or folder  # what load_weights reads: a safetensors folder or a GGUF file
     dev = torch.device(device) if device is not None else default_device()
     dev = check_tp(tp, dev)
+    check_kernel_backend(kernel_backend, dev)
     if async_scheduling:  # refused before anything loads (the engine would refuse it after)
         runner_type = ModelRunner
         if tp != 1:
@@ -156,7 +172,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     shim = types.SimpleNamespace(config=hf_conf or _hf_config(folder, cfg, config), dtype=torch_dtype, device=dev)
     plan = plan_for_model(shim, kv, device=dev, target=target, context=max_model_len or limit,
                           concurrency=max_num_seqs or 1, page_size=page_size, tp=tp)
-    package = compile_for_model(plan)
+    package = compile_for_model(plan, kernel_backend)
     if max_tokens is None:
         if dev.type == "cuda":
             max_tokens = plan.capacity_tokens
@@ -199,7 +215,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
                         cfg=cfg, plan=plan, folder=None if weights_source is None else str(weights_source), seed=seed,
                         dtype=torch_dtype, max_tokens=max_tokens, cache_seqs=cache_seqs, autotune=autotune,
                         max_model_len=max_model_len, max_num_seqs=max_num_seqs, use_graphs=use_graphs,
-                        host_tier=tier)
+                        host_tier=tier, kernel_backend=kernel_backend)
         runner, cache = start_ranks(spec, cache, verbose)
     else:
         net = build_model(cfg, max_model_len, dev, torch_dtype)

@@ -75,6 +75,7 @@ class RankSpec:
     max_num_seqs: int
     use_graphs: bool
     host_tier: dict | None = None  # the runtime load's host_tokens/staging_tokens ({} or None: no host tier)
+    kernel_backend: str = "triton"  # the package's kernel language (rank 0 compiled it: the ranks import it)
 
 
 def step_fingerprint(step: Any) -> tuple:
@@ -306,7 +307,7 @@ def load_cache(spec: RankSpec, rank: int) -> Any:
     """This rank's KVCache: the plan's pages for its KV heads (rank 0 loads its own in the loader, alike)."""
     from kvgen.integrations.transformers import compile_for_model
 
-    package = compile_for_model(spec.plan)  # rank 0 compiled it already: an import
+    package = compile_for_model(spec.plan, spec.kernel_backend)  # rank 0 compiled it already: an import
     return package.load(device=rank_device(spec, rank), max_tokens=spec.max_tokens, autotune=spec.autotune,
                         max_seqs=spec.cache_seqs, tp_rank=rank, tp_size=spec.world, **(spec.host_tier or {}))
 

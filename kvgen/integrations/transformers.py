@@ -120,9 +120,15 @@ def plan_for_model(model: Any, scheme: str = "int8", *, device: torch.device | s
     return make_plan(spec, tgt, workload, default_registry().schemes, kv=scheme)
 
 
-def compile_for_model(plan) -> Any:
-    """Compile ``plan`` into ``<cache_dir>/packages/<plan name>`` (no-op when unchanged) and import it."""
-    from kvgen.codegen.package import compile_plan
+def compile_for_model(plan, backend: str = "triton") -> Any:
+    """Compile ``plan`` into ``<cache_dir>/packages/<plan name>`` (no-op when unchanged) and import it.
+
+    ``backend``: the kernel language, as ``kvgen compile --backend`` (a cuda or auto package lives beside the
+    Triton one, ``<plan name>_<backend>``, so switching never rewrites a package another process may use).
+    """
+    from kvgen.codegen.package import check_backend, compile_plan
+
+    check_backend(backend)
 
     root = env.cache_dir()
     try:
@@ -131,7 +137,8 @@ def compile_for_model(plan) -> Any:
         raise KvgenIntegrationError(
             f"cannot keep compiled packages under the cache folder {root} ({exc.strerror or exc}); set KVGEN_CACHE_DIR "
             "to a writable folder (or unset it for ~/.cache/kvgen)") from None
-    result = compile_plan(plan, out_dir=root / "packages" / plan.name)
+    name = plan.name if backend == "triton" else f"{plan.name}_{backend}"
+    result = compile_plan(plan, out_dir=root / "packages" / name, backend=backend)
     return import_package(result.out_dir)
 
 

@@ -48,6 +48,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action="store_true",
                    help="plan each decode step while the device runs the one before (faster steps on a GPU; "
                         "not with --tp above 1 or --host-tokens)")
+    from kvgen.codegen.spec import BACKEND_CHOICES  # light: no Jinja, no torch
+
+    p.add_argument("--backend", default="triton", choices=BACKEND_CHOICES,
+                   help="kernel language, as in 'kvgen compile': triton (default); cuda (the CUDA decode kernel "
+                        "where the scheme has one: faster int8/fp8/int4 KV on a GPU; nvcc builds it once); auto")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file (default: the tokenizer's; for a model without one, "
                         "'<bos>role: content' lines then 'assistant:')")
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     engine_kwargs = dict(model=args.model, kv=args.kv, dtype=args.dtype, max_model_len=args.max_model_len,
                          max_tokens=args.cache_tokens, device=args.device, enforce_eager=args.enforce_eager,
                          max_num_seqs=args.max_num_seqs, tp=args.tp, host_tokens=args.host_tokens,
-                         async_scheduling=args.async_scheduling)
+                         async_scheduling=args.async_scheduling, kernel_backend=args.backend)
     if args.engine_in_process:
         from kvgen.engine.loader import build_engine
 

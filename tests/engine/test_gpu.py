@@ -36,9 +36,11 @@ def run(engine, prompts, params, completion=lambda c: c.token_ids):
     return [done[i] for i in ids]
 
 
-@pytest.mark.parametrize("kv", ["bf16", "int8", "int4"])
-def test_graph_decode_matches_eager(kv):
-    """Every replayed step's hidden states equal an eager run of the same step (same K/V rewritten: idempotent).
+@pytest.mark.parametrize("kv,backend", [("bf16", "triton"), ("int8", "triton"), ("int4", "triton"),
+                                        ("int8", "cuda"), ("int4", "cuda")])
+def test_graph_decode_matches_eager(kv, backend):
+    """Every replayed step's hidden states equal an eager run of the same step (same K/V rewritten: idempotent),
+    with the Triton kernels and with the CUDA decode kernel (``kernel_backend="cuda"``).
 
     Not bitwise: a graph pads the batch to its bucket and its block tables to
     max_model_len, so the decode kernel may split the keys differently.
@@ -47,7 +49,9 @@ def test_graph_decode_matches_eager(kv):
     prompts = [[rng.randrange(1024) for _ in range(rng.randint(1, 300))] for _ in range(12)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, n=2)
     eng = build_engine(config=TINY, kv=kv, dtype="bfloat16", device="cuda", max_model_len=1024,
-                       max_num_seqs=24, max_tokens=8192, autotune=False, verbose=False)
+                       max_num_seqs=24, max_tokens=8192, autotune=False, verbose=False, kernel_backend=backend)
+    # (TINY's head_dim 64 is a CUDA decode shape; Triton modules have no BACKEND)
+    assert getattr(eng.cache.kernels["decode"], "BACKEND", "triton") == backend
     graphs, model = eng.runner.graphs, eng.runner.model
     errors = []
     replay = graphs.run
