@@ -284,9 +284,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-bound-gb", type=float, default=16.0)
     ap.add_argument("--async-scheduling", action="store_true",
                     help="step part: time kvgen's steps with async scheduling too (records with async_scheduling true)")
-    from kvgen.codegen.spec import BACKEND_CHOICES
+    from kvgen.engine.config import ENGINE_BACKENDS
 
-    ap.add_argument("--kernel-backend", default="triton", choices=BACKEND_CHOICES,
+    ap.add_argument("--kernel-backend", default="triton", choices=ENGINE_BACKENDS,
                     help="the kvgen engines' kernels (cuda: the CUDA decode kernel where the scheme has one)")
     args = ap.parse_args(argv)
     import triton

@@ -159,7 +159,8 @@ from . import runtime
 PLAN = _json.loads((_Path(__file__).parent / "plan.json").read_text())
 BACKEND = {backend!r}
 KERNELS = {{{table}}}
-# every kernel per op and backend (the first is KERNELS'): with --backend auto, for the tuner to choose
+# every kernel per op and backend (the first is KERNELS', the one the runtime runs): with --backend auto, for a
+# caller that times both (benchmarks.run --backend auto)
 KERNEL_VARIANTS = {{{variant_table}}}
 
 

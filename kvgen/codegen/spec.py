@@ -17,7 +17,9 @@ BACKENDS = ("triton", "cuda")
 """Kernel languages: Triton (templates/triton) and CUDA C++ (templates/cuda)."""
 BACKEND_CHOICES = BACKENDS + ("auto",)
 """``kvgen compile --backend``: every op in Triton; CUDA where a CUDA template serves the op (Triton for the
-rest); or both where both exist, for the runtime's tuner to pick per op (the Triton module stays the default)."""
+rest); or both where both exist (``KERNEL_VARIANTS`` of the package, for a caller that times both, as
+``benchmarks.run --backend auto`` does; the runtime itself runs the Triton module, ``KERNELS``: it does not
+choose between variants yet)."""
 _SCHEME_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 

@@ -15,6 +15,10 @@ from typing import Any
 
 from .errors import EngineError
 
+ENGINE_BACKENDS = ("triton", "cuda")
+"""The kernel languages the engine runs (``kernel_backend``, ``--backend``): a package of ``kvgen compile
+--backend auto`` holds both, but the runtime does not choose between them, so the engine takes no ``auto``."""
+
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
 

@@ -25,7 +25,7 @@ import torch
 from kvgen.planner.workload import COMPUTE_DTYPES
 
 from . import gguf
-from .config import ModelConfig
+from .config import ENGINE_BACKENDS, ModelConfig
 from .engine import LLMEngine, async_scheduling_error
 from .errors import EngineError
 from .runner import ModelRunner
@@ -77,10 +77,11 @@ def _eos_ids(folder: Path | None, cfg: ModelConfig, tokenizer: Any) -> set[int]:
 
 
 def check_kernel_backend(backend: str, device: torch.device) -> None:
-    """BackendError (codegen's) for an unknown backend; EngineError for one the engine cannot run on ``device``."""
-    from kvgen.codegen.package import check_backend
-
-    check_backend(backend)
+    """EngineError unless the engine can run ``backend``'s kernels on ``device``."""
+    if backend not in ENGINE_BACKENDS:
+        raise EngineError(f"kernel backend must be {' or '.join(ENGINE_BACKENDS)}, got {backend!r}"
+                          + (" (auto packages both, but the runtime does not pick between them: say which)"
+                             if backend == "auto" else ""))
     if backend != "triton" and device.type != "cuda":
         raise EngineError(f"the {backend} kernel backend runs CUDA kernels; the engine is on {device}: use "
                           "--backend triton there (the default)")
@@ -122,10 +123,10 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     each steady decode step while the device runs the previous one (a
     one-step lag, as vLLM V1's; see :attr:`LLMEngine.async_scheduling`);
     needs ``tp=1`` and no host tier (EngineError otherwise, before anything loads).
-    ``kernel_backend``: the kernels' language, as ``kvgen compile --backend``: ``triton`` (default),
-    ``cuda`` (the CUDA decode kernel wherever the scheme has CUDA macros: int8, fp8, KIVI int4, 16-bit
-    pages; Triton for every other op), ``auto`` (both packaged; the runtime's tuner chooses). cuda and auto
-    need a CUDA device (EngineError otherwise, before anything loads).
+    ``kernel_backend``: the kernels' language, as ``kvgen compile --backend``: ``triton`` (default) or
+    ``cuda`` (the CUDA decode kernel wherever the scheme's CUDA macros serve the spec: int8, fp8, KIVI int4,
+    16-bit pages at the head dims they tile; Triton for every other op and spec, said in the summary line
+    when verbose). cuda needs a CUDA device (EngineError otherwise, before anything loads).
     """
     from kvgen.integrations.transformers import compile_for_model, plan_for_model
     from kvgen.runtime import default_device
@@ -172,7 +173,8 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     shim = types.SimpleNamespace(config=hf_conf or _hf_config(folder, cfg, config), dtype=torch_dtype, device=dev)
     plan = plan_for_model(shim, kv, device=dev, target=target, context=max_model_len or limit,
                           concurrency=max_num_seqs or 1, page_size=page_size, tp=tp)
-    package = compile_for_model(plan, kernel_backend)
+    compile_notes: list[str] = []
+    package = compile_for_model(plan, kernel_backend, compile_notes)
     if max_tokens is None:
         if dev.type == "cuda":
             max_tokens = plan.capacity_tokens
@@ -208,6 +210,10 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
               f"sequences) max_num_seqs={max_num_seqs} max_num_batched_tokens={max_num_batched_tokens} "
               f"device={dev} graphs={'on' if use_graphs else 'off'}{f' tp={tp}' if tp > 1 else ''}"
               f"{_host_summary(cache)}", file=sys.stderr)
+        if kernel_backend != "triton":  # say where the CUDA kernels do not serve this plan
+            for note in compile_notes:
+                if note.startswith("decode ") or "nvcc" in note:
+                    print(f"kvgen: {note}", file=sys.stderr)
     if tp > 1:
         from .parallel import RankSpec, start_ranks
 

@@ -120,11 +120,12 @@ def plan_for_model(model: Any, scheme: str = "int8", *, device: torch.device | s
     return make_plan(spec, tgt, workload, default_registry().schemes, kv=scheme)
 
 
-def compile_for_model(plan, backend: str = "triton") -> Any:
+def compile_for_model(plan, backend: str = "triton", notes: list[str] | None = None) -> Any:
     """Compile ``plan`` into ``<cache_dir>/packages/<plan name>`` (no-op when unchanged) and import it.
 
     ``backend``: the kernel language, as ``kvgen compile --backend`` (a cuda or auto package lives beside the
     Triton one, ``<plan name>_<backend>``, so switching never rewrites a package another process may use).
+    ``notes``: a list that receives the compiler's notes (which ops stay Triton and why; nvcc skipped).
     """
     from kvgen.codegen.package import check_backend, compile_plan
 
@@ -139,6 +140,8 @@ def compile_for_model(plan, backend: str = "triton") -> Any:
             "to a writable folder (or unset it for ~/.cache/kvgen)") from None
     name = plan.name if backend == "triton" else f"{plan.name}_{backend}"
     result = compile_plan(plan, out_dir=root / "packages" / name, backend=backend)
+    if notes is not None:
+        notes.extend(result.notes)
     return import_package(result.out_dir)
 
 

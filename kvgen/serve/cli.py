@@ -48,11 +48,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action="store_true",
                    help="plan each decode step while the device runs the one before (faster steps on a GPU; "
                         "not with --tp above 1 or --host-tokens)")
-    from kvgen.codegen.spec import BACKEND_CHOICES  # light: no Jinja, no torch
+    from kvgen.engine.config import ENGINE_BACKENDS  # light: no torch
 
-    p.add_argument("--backend", default="triton", choices=BACKEND_CHOICES,
-                   help="kernel language, as in 'kvgen compile': triton (default); cuda (the CUDA decode kernel "
-                        "where the scheme has one: faster int8/fp8/int4 KV on a GPU; nvcc builds it once); auto")
+    p.add_argument("--backend", default="triton", choices=ENGINE_BACKENDS,
+                   help="kernel language, as in 'kvgen compile': triton (default) or cuda (the CUDA decode kernel "
+                        "where the scheme has one: faster int8/fp8/int4 KV on a GPU; needs nvcc once, to build it)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file (default: the tokenizer's; for a model without one, "
                         "'<bos>role: content' lines then 'assistant:')")
