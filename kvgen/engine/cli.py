@@ -36,16 +36,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="KV tokens in a host-memory tier ('plan': the plan's host tier); preempted sequences swap "
                         "there instead of being recomputed")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    add_speed_args(p)
+    if not any(a.dest == "json" for a in p._actions):
+        p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+
+
+def add_speed_args(p: argparse.ArgumentParser) -> None:
+    """The engine options of ``kvgen generate`` and ``kvgen serve`` that change speed, not results."""
+    from kvgen.engine.config import ENGINE_BACKENDS  # light: no torch
+
     p.add_argument("--async-scheduling", action="store_true",
                    help="plan each decode step while the device runs the one before (faster steps on a GPU; "
                         "not with --tp above 1 or --host-tokens)")
-    from kvgen.engine.config import ENGINE_BACKENDS  # light: no torch
-
     p.add_argument("--backend", default="triton", choices=ENGINE_BACKENDS,
                    help="kernel language, as in 'kvgen compile': triton (default) or cuda (the CUDA decode kernel "
                         "where the scheme has one: faster int8/fp8/int4 KV on a GPU; needs nvcc once, to build it)")
-    if not any(a.dest == "json" for a in p._actions):
-        p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
 
 
 def host_tokens_arg(text: str) -> int | str:

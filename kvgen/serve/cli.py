@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvgen.engine.cli import host_tokens_arg
+from kvgen.engine.cli import add_speed_args, host_tokens_arg
 from kvgen.errors import KvgenError
 
 class ServeError(KvgenError):
@@ -45,14 +45,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-tokens", type=int, default=None, help="KV capacity in tokens (default: the plan's)")
     p.add_argument("--device", default=None, help="torch device (default: the GPU, else the CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="plan each decode step while the device runs the one before (faster steps on a GPU; "
-                        "not with --tp above 1 or --host-tokens)")
-    from kvgen.engine.config import ENGINE_BACKENDS  # light: no torch
-
-    p.add_argument("--backend", default="triton", choices=ENGINE_BACKENDS,
-                   help="kernel language, as in 'kvgen compile': triton (default) or cuda (the CUDA decode kernel "
-                        "where the scheme has one: faster int8/fp8/int4 KV on a GPU; needs nvcc once, to build it)")
+    add_speed_args(p)
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file (default: the tokenizer's; for a model without one, "
                         "'<bos>role: content' lines then 'assistant:')")
