@@ -59,6 +59,7 @@ BUILD_SPECS = [
     _spec("fp16", head_dim=256, gqa=1, page=32, dtype="bfloat16", heads=4),
     _spec("int4", head_dim=64, gqa=4, page=32, dtype="float16", heads=2, sliding_window=40),  # KIVI + residual pool
     _spec("fp8", head_dim=128, gqa=4, page=16, dtype="bfloat16", heads=2, softcap=20.0),
+    _spec("int2", head_dim=128, gqa=8, page=32, dtype="bfloat16", heads=2),  # 2-bit codes, 128-token residual
 ]
 
 
@@ -93,7 +94,7 @@ def test_unsupported_specs_name_a_reason():
         "int8 reader needs": (_spec("int8", head_dim=96), "int8"),
         "page size": (_spec(page=24), "bf16"),
         "multiple of 16": (_spec("int4", page=8), "int4"),  # residual schemes need whole tiles per page
-        "4-bit": (_spec("int2"), "int2"),
+        "128 or 256 for 2-bit": (_spec("int2", head_dim=64), "int2"),
         "KIVI reader needs": (_spec("int4", head_dim=96), "int4"),
         "CUDA macros": (_spec("nuq4"), "nuq4"),
         "fp8 reader needs": (_spec("fp8", head_dim=80), "fp8"),
@@ -106,6 +107,7 @@ def test_unsupported_specs_name_a_reason():
         assert reason and word in reason, (word, reason)
     assert cuda_backend.reason_unsupported(_spec("int8"), reg.schemes["int8"]) is None
     assert cuda_backend.reason_unsupported(_spec("int4"), reg.schemes["int4"]) is None
+    assert cuda_backend.reason_unsupported(_spec("int2"), reg.schemes["int2"]) is None
     with pytest.raises(ValueError, match="cannot use the CUDA backend"):
         _sources(_spec(head_dim=72))
 
@@ -373,6 +375,9 @@ GPU_CASES = [  # scheme, head_dim, gqa, page, compute dtype, kv heads
     ("int4", 128, 8, 16, "bfloat16", 8),   # KIVI: compressed pages, then the residual tail page
     ("int4", 64, 4, 32, "float16", 2),
     ("int4", 256, 2, 16, "bfloat16", 2),
+    ("int2", 128, 8, 16, "bfloat16", 8),   # 2-bit codes; lengths past 128 tokens reach the compressed pages
+    ("int2", 128, 4, 32, "float16", 2),
+    ("int2", 256, 2, 16, "bfloat16", 2),
 ]
 
 
@@ -419,7 +424,7 @@ def test_gpu_cuda_decode_page_boundaries_and_ragged(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["bf16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("scheme", ["bf16", "int8", "fp8", "int4", "int2"])
 @pytest.mark.parametrize("splits,warps,depth", [(1, 4, 2), (1, 8, 3), (3, 4, 4), (16, 8, 2), (128, 4, 4), (2, 8, 4)])
 def test_gpu_cuda_decode_splits_warps_and_depth(scheme, splits, warps, depth):
     # lengths whose per-warp tile counts are below, at and past every depth, so a pipeline ends on any stage
@@ -429,17 +434,18 @@ def test_gpu_cuda_decode_splits_warps_and_depth(scheme, splits, warps, depth):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["fp16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("scheme", ["fp16", "int8", "fp8", "int4", "int2"])
 def test_gpu_cuda_decode_window_and_softcap(scheme):
     p = 16
     for window, softcap in ((40, 0.0), (0, 20.0), (100, 30.0)):
-        _gpu_decode(scheme, 64, 4, 8 if scheme in ("int8", "fp8") else p, "float16", 2, [7, 41, 300, 1025],
+        _gpu_decode(scheme, 128 if scheme == "int2" else 64, 4, 8 if scheme in ("int8", "fp8") else p, "float16", 2,
+                    [7, 41, 300, 1025],
                     window=window, softcap=softcap, q_scale=3.0,
                     config={"num_splits": 4, "num_warps": 4, "depth": 2})
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("scheme", ["bf16", "int8", "int4", "int2"])
 def test_gpu_cuda_decode_real_size_matches_triton(scheme):
     """The Llama-3-70B shard shape at long contexts: CUDA and Triton agree on one cache, both near the reference."""
     import torch
