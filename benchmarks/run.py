@@ -5,7 +5,8 @@
 Measures, in this order: the device copy bandwidth (a 4 GiB device-to-device
 copy, read + write bytes); every scheme's generated decode kernel at the
 ANCHORS shapes (measured peer numbers kept with the project's notes) (best of the kernel's own tuning candidates,
-median of triton.testing.do_bench), bytes it reads, fraction of copy
+median of triton.testing.do_bench; with ``--backend auto`` the kernel and config the runtime itself chooses
+instead, see :func:`runtime_choice`), bytes it reads, fraction of copy
 bandwidth, ratio to contiguous bf16 SDPA in the same run, and its error
 against float32 attention over the unquantized K/V; cache writes (one decode
 step and a 4096-token prefill); paged prefill at 8K against SDPA flash; and
@@ -172,9 +173,9 @@ def kernel_module(op, scheme_name, Hkv, G, D, dtype="bfloat16", backend="triton"
 
 
 def decode_backends(scheme_name, Hkv, G, D, backend):
-    """The backends ``--backend`` times for a decode kernel: ``auto`` adds cuda where its templates serve the spec
-    (as ``kvgen compile --backend auto`` packages both and the runtime's tuner picks the faster); ``cuda`` is
-    empty for a scheme the CUDA templates do not serve."""
+    """The decode kernels a package compiled with ``--backend`` holds for a scheme: ``auto`` adds cuda to triton
+    where its templates serve the spec (the runtime then runs one, :func:`runtime_choice`); ``cuda`` is empty for a
+    scheme the CUDA templates do not serve."""
     if backend == "triton":
         return ["triton"]
     from kvgen.codegen import cuda as cuda_backend
@@ -183,6 +184,42 @@ def decode_backends(scheme_name, Hkv, G, D, backend):
     spec = kernel_spec("decode", scheme_name, Hkv, G, D, backend="cuda")
     ok = cuda_backend.reason_unsupported(spec, default_registry().schemes[scheme_name]) is None
     return (["triton"] if backend == "auto" else []) + (["cuda"] if ok else [])
+
+
+def runtime_choice(tuner, name, shapes, Hq, Hkv, D):
+    """``--backend auto``: the runtime's own choice of ``name``'s decode kernel (Hq/Hkv/D) and its modules.
+
+    As ``kvgen tune`` on a ``--backend auto`` package decides it
+    (``kvgen/runtime/backend_choice.py``): every variant tuned by the runtime's
+    autotuner at ``shapes`` (the anchor shapes of this kernel), their tuned
+    configs timed head to head, the smaller total runs -- one kernel for all
+    of them, as one package serves every shape. Timed here on each shape's
+    DecodeCase (one at a time). Returns ``(BackendChoice, {backend: module})``.
+    """
+    from kvgen.runtime.backend_choice import choose
+
+    G, sm = Hq // Hkv, 1 / math.sqrt(D)
+    modules = {}
+    for be in decode_backends(name, Hkv, G, D, "auto"):
+        modules[be], scheme = kernel_module("decode", name, Hkv, G, D, backend=be)
+    memo = {}
+
+    def make_bench(mod, shape):
+        B, L = shape
+        if memo.get("shape") != (B, L):
+            memo.clear()
+            torch.cuda.empty_cache()
+            case = DecodeCase(scheme, B, L, Hq, Hkv, D)
+            memo.update(shape=(B, L), case=case, out=torch.empty_like(case.q))
+        case, out = memo["case"], memo["out"]
+        return lambda cfg: (lambda: mod.launch(case.q, out, case.pools, case.block_tables, case.seq_lens,
+                                               case.num_compressed, sm, cfg))
+
+    choice = choose(tuner, "decode", {be: (m, None) for be, m in modules.items()}, make_bench,
+                    [(B, L) for B, L, *_ in shapes], explicit=True, release=memo.clear)
+    memo.clear()
+    torch.cuda.empty_cache()
+    return choice, modules
 
 
 def best_config(mod, run, batch, length):
@@ -200,10 +237,20 @@ def best_config(mod, run, batch, length):
 
 
 def decode_records(schemes, shapes, copy_bw, log, backend="triton"):
-    """Every scheme's decode at every shape, the best tuning candidate of each backend ``--backend`` names
-    (``auto``: the faster of triton and cuda, recorded as ``backend``), against SDPA and kvgen bf16."""
+    """Every scheme's decode at every shape against SDPA and kvgen bf16: the best tuning candidate of the backend
+    ``--backend`` names; with ``auto``, the kernel the runtime chooses per scheme and kernel shape
+    (:func:`runtime_choice`, recorded as ``backend`` with ``backend_why``) at the config its autotuner gives."""
     records = []
     bf16_ms = {}
+    choices = {}  # (scheme, Hq, Hkv, D) -> (BackendChoice, modules): auto only
+    tuner = None
+    if backend == "auto":
+        from kvgen.runtime.autotune import Autotuner
+
+        # a fresh tuning folder: the choices are made in this run, not remembered from another; sync: a kernel
+        # without a tuned winner for a shape (a scheme only Triton serves) is tuned on first use
+        tune_dir = tempfile.TemporaryDirectory(prefix="kvgen-bench-tune-")
+        tuner = Autotuner(torch.device("cuda"), mode="sync", progress=False, directory=tune_dir.name)
     for (B, L, Hq, Hkv, D) in shapes:
         sdpa_ms = None
         for name in schemes:
@@ -214,6 +261,13 @@ def decode_records(schemes, shapes, copy_bw, log, backend="triton"):
                 print(f"decode {name}: no {backend} kernel for this scheme; skipped", file=sys.stderr)
                 continue
             sm = 1 / math.sqrt(D)
+            chosen = None
+            if tuner is not None:
+                if (name, Hq, Hkv, D) not in choices:
+                    same_kernel = [s for s in shapes if s[2:] == (Hq, Hkv, D)]
+                    choices[(name, Hq, Hkv, D)] = runtime_choice(tuner, name, same_kernel, Hq, Hkv, D)
+                chosen, modules = choices[(name, Hq, Hkv, D)]
+                backends = [chosen.backend]
             for be in backends:
                 mod, scheme = kernel_module("decode", name, Hkv, Hq // Hkv, D, backend=be)
                 if case is None:
@@ -226,7 +280,11 @@ def decode_records(schemes, shapes, copy_bw, log, backend="triton"):
                     mod.launch(case.q, out, case.pools, case.block_tables, case.seq_lens, case.num_compressed, sm,
                                cfg)
 
-                ms, cfg, _ = best_config(mod, run, B, L)
+                if chosen is not None:  # the user's path: the runtime's kernel at its autotuner's config
+                    cfg = tuner.config("decode", modules[be], (B, L), lambda c, run=run: (lambda: run(c)))
+                    ms = bench(lambda: run(cfg))
+                else:
+                    ms, cfg, _ = best_config(mod, run, B, L)
                 if best is None or ms < best[0]:
                     best = (ms, cfg, be, run)
             ms, cfg, be, run = best
@@ -240,6 +298,8 @@ def decode_records(schemes, shapes, copy_bw, log, backend="triton"):
                        bytes=case.bytes, bw_fraction=case.bytes / (ms * 1e-3) / copy_bw, sdpa_ms=sdpa_ms,
                        ratio_to_sdpa=ms / sdpa_ms, ratio_to_bf16=ms / bf16_ms.get((B, L, Hq, Hkv, D), float("nan")),
                        rel_error=err, config=cfg, backend=be)
+            if chosen is not None:
+                rec.update(backend_why=chosen.why, backend_ms=dict(chosen.ms))
             log(rec)
             records.append(rec)
             del case
@@ -433,8 +493,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", default="decode,write,prefill,compile")
     ap.add_argument("--out", default=None)
     ap.add_argument("--backend", choices=("triton", "cuda", "auto"), default="triton",
-                    help="decode kernels to time: triton (default), cuda (schemes it serves), or auto (the faster "
-                         "of both per scheme and shape, as a package compiled with --backend auto tunes)")
+                    help="decode kernels to time: triton (default), cuda (schemes it serves), or auto (the one "
+                         "the runtime chooses per scheme and kernel shape over the anchor shapes, as it does for a "
+                         "package compiled with --backend auto, at its autotuner's config)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU (run them on the device machine)", file=sys.stderr)

@@ -6,7 +6,8 @@ Layout of ``generated/<plan-name>/``::
     kernels/<op>.py      one rendered module per op (header: spec, version, template hash): Triton, or
                          with --backend cuda the Python side of a CUDA kernel, whose source is
     kernels/<op>.cu      (CUDA ops only) built by nvcc at compile time or at first load
-    kernels/<op>_cuda.*  (--backend auto) the CUDA variant beside the Triton module, for the tuner
+    kernels/<op>_cuda.*  (--backend auto) the CUDA variant beside the Triton module; the runtime runs the
+                         faster per op (runtime/backend_choice.py)
     runtime/*.py         kvgen/runtime copied verbatim behind a header
     plan.json            the Plan
     manifest.json        file hashes, kvgen / template / triton versions
@@ -159,16 +160,18 @@ from . import runtime
 PLAN = _json.loads((_Path(__file__).parent / "plan.json").read_text())
 BACKEND = {backend!r}
 KERNELS = {{{table}}}
-# every kernel per op and backend (the first is KERNELS', the one the runtime runs): with --backend auto, for a
-# caller that times both (benchmarks.run --backend auto)
+# every kernel per op and backend, the first being KERNELS' (the default): with --backend auto the runtime runs,
+# per op, the one whose tuned configs time faster (runtime/backend_choice.py; cache.kernel_backends says which)
 KERNEL_VARIANTS = {{{variant_table}}}
 
 
 def load(device=None, **kwargs):
     """A KVCache on ``device`` (default: the current CUDA device, else CPU) for this plan.
 
-    Keyword arguments go to ``runtime.load`` (``max_tokens``, ``num_layers``, ``tp_rank``...).
+    Keyword arguments go to ``runtime.load`` (``max_tokens``, ``num_layers``, ``tp_rank``...); ``variants``
+    defaults to ``KERNEL_VARIANTS``, among which the runtime chooses per op.
     """
+    kwargs.setdefault("variants", KERNEL_VARIANTS)
     return runtime.load(PLAN, KERNELS, device=device, **kwargs)
 '''
 

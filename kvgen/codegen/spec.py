@@ -17,9 +17,9 @@ BACKENDS = ("triton", "cuda")
 """Kernel languages: Triton (templates/triton) and CUDA C++ (templates/cuda)."""
 BACKEND_CHOICES = BACKENDS + ("auto",)
 """``kvgen compile --backend``: every op in Triton; CUDA where a CUDA template serves the op (Triton for the
-rest); or both where both exist (``KERNEL_VARIANTS`` of the package, for a caller that times both, as
-``benchmarks.run --backend auto`` does; the runtime itself runs the Triton module, ``KERNELS``: it does not
-choose between variants yet)."""
+rest); or both where both exist (``KERNEL_VARIANTS`` of the package, all handed to the runtime, which runs one
+per op: the one whose tuned configs time faster, decided by ``kvgen tune`` or at load with
+``KVGEN_AUTOTUNE=sync`` and remembered; Triton until timed; see ``kvgen/runtime/backend_choice.py``)."""
 _SCHEME_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 

@@ -21,7 +21,13 @@ No timing happens on the request path by default: tune ahead of time with
 
     <cache_dir>/autotune/<kernel hash>-<template tag>__<device slug>__triton-<version>.json
     {"format": 2, "kernel_hash": ..., "device": ..., "triton": ...,
-     "entries": {"decode/b8/s1024": {"config": {...}, "ms": 0.031, "candidates": 8, "seconds": 2.1}}}
+     "entries": {"decode/b8/s1024": {"config": {...}, "ms": 0.031, "candidates": 8, "seconds": 2.1},
+                 "backend/decode/<digest>": {"backend": "cuda", "variants": {...}, "ms": {...}, "shapes": [...]}}}
+
+A ``backend/<op>/<digest>`` entry (in the file of the op's first variant)
+is the runtime's choice among the kernels a ``--backend auto`` package
+holds for one op; the digest covers every variant's identity, so a changed
+variant re-decides (see :mod:`.backend_choice`).
 
 The file name is the key: the KernelSpec hash, the template hash of the
 generated module (its ``# template-hash:`` header; a module without one is
@@ -59,6 +65,8 @@ from .kernel_timer import graph_time_ms
 from .env import autotune_mode, cache_dir, triton_interpret
 
 FORMAT = 2
+CHOICE_PREFIX = "backend/"
+"""Entries under this prefix hold a backend choice (:mod:`.backend_choice`), not a bucket's winner."""
 BUDGET_S = 5.0
 """Seconds of tuning per bucket after which no further candidate is started."""
 COMPILE_MARGIN = 2.0
@@ -286,7 +294,8 @@ class Autotuner:
                 or data.get("triton") != self.triton_version):
             return {}
         return {k: e for k, e in data["entries"].items()
-                if isinstance(e, dict) and isinstance(e.get("config"), dict)}
+                if isinstance(e, dict) and (isinstance(e.get("config"), dict) if not k.startswith(CHOICE_PREFIX)
+                                            else isinstance(e.get("backend"), str))}
 
     def _save(self, khash: str, key: str, entry: dict[str, Any]) -> None:
         """Merge ``entry`` into the file; an unwritable cache is a warning (the entry stays in memory)."""
@@ -317,6 +326,14 @@ class Autotuner:
         names = {"decode": ("b", "s"), "prefill": ("b", "q", "s")}.get(op, ())
         parts = [f"{names[i] if i < len(names) else 'x'}{bucket(n)}" for i, n in enumerate(shape)]
         return "/".join([op, *parts])
+
+    @staticmethod
+    def shape_of(key: str) -> tuple[int, ...]:
+        """The bucket sizes a :meth:`key` names: ``"decode/b8/s1024"`` -> ``(8, 1024)`` (ValueError if not one)."""
+        parts = key.split("/")[1:]
+        if not parts:
+            raise ValueError(f"not a bucket key: {key!r}")
+        return tuple(int(part[1:]) for part in parts)
 
     def default(self, module: ModuleType, shape: tuple[int, ...], op: str = "") -> dict[str, Any] | None:
         """The model's config for the bucket of ``shape`` (on the CPU: the module's own default)."""
@@ -449,9 +466,12 @@ def tune(cache: Any, shapes: Iterable[tuple[int, int]], *, ops: Iterable[str] = 
     ``shapes``: ``(batch, context)`` pairs; decode is tuned at ``(batch,
     context)``, prefill at ``(batch, prefill_tokens or context, context)``.
     Winners are persisted where the cache's autotuner keeps them, so serving
-    processes find them without timing. Returns one record per bucket:
-    ``{op, key, config, ms, candidates, seconds}`` (``config`` None when
-    nothing could be timed). Needs a CUDA device (outside the interpreter).
+    processes find them without timing. Returns one record per bucket and
+    kernel: ``{op, backend, key, config, ms, candidates, seconds}``
+    (``config`` None when nothing could be timed). Every variant of an op
+    (``kvgen compile --backend auto``) is tuned, then the cache decides anew
+    which one runs (``cache.backend_choices``; :mod:`.backend_choice`) and
+    persists that too. Needs a CUDA device (outside the interpreter).
     """
     from .errors import KvgenRuntimeError
 
@@ -459,17 +479,22 @@ def tune(cache: Any, shapes: Iterable[tuple[int, int]], *, ops: Iterable[str] = 
     if not tuner.can_time():
         raise KvgenRuntimeError("kvgen tune times kernels on a CUDA GPU; run it on the serving machine "
                                 "(not on the CPU or under TRITON_INTERPRET=1)")
-    records = []
+    ops = [op for op in ops if op in cache.kernels]
+    records, tuned = [], {op: [] for op in ops}
     for batch, context in shapes:
         for op in ops:
-            if op not in cache.kernels:
-                continue
             shape = (batch, context) if op == "decode" else (batch, prefill_tokens or context, context)
-            t0 = time.perf_counter()
-            entry = tuner.tune(op, cache.kernels[op], shape, lambda cfg, op=op, shape=shape: cache._bench(op, shape, cfg),
-                               cache._hashes.get(op), retune=retune) or {}
+            tuned[op].append(shape)
+            for backend, module in cache.kernel_variants[op].items():
+                t0 = time.perf_counter()
+                entry = tuner.tune(op, module, shape,
+                                   lambda cfg, op=op, shape=shape, m=module: cache._bench(op, shape, cfg, m),
+                                   cache._variant_hash(op, backend), retune=retune) or {}
+                records.append({"op": op, "backend": backend, "key": tuner.key(op, shape),
+                                "config": entry.get("config"), "ms": entry.get("ms"),
+                                "candidates": entry.get("candidates"), "seconds": round(time.perf_counter() - t0, 3)})
             vars(cache).pop("_bench_inputs", None)  # the bucket's synthetic inputs (see KVCache._bench)
-            records.append({"op": op, "key": tuner.key(op, shape), "config": entry.get("config"),
-                            "ms": entry.get("ms"), "candidates": entry.get("candidates"),
-                            "seconds": round(time.perf_counter() - t0, 3)})
+    for op in ops:
+        if len(cache.kernel_variants[op]) > 1:
+            cache._choose_backend(op, tuned[op], explicit=True)
     return records

@@ -49,7 +49,7 @@ import torch
 
 from .autotune import Autotuner
 from .block_manager import COMPRESSED, RESIDUAL, BlockManager
-from .cache_kernels import REQUIRED_OPS, KernelConfigMixin, _check_kernels_can_run
+from .cache_kernels import REQUIRED_OPS, KernelConfigMixin, _check_kernels_can_run, _variants
 from .cache_tier import HostTierMixin
 from .errors import KvgenRuntimeError, seq_id_list
 from .page_pool import PagePool, _indexed, default_device, pool_sizes
@@ -60,7 +60,11 @@ class KVCache(HostTierMixin, KernelConfigMixin):
     """The runtime of one generated plan: page pools, block manager, kernels, step metadata.
 
     Construct through :func:`load` (or a generated package's ``load()``).
-    Attributes: ``plan`` (plan.json as a dict), ``kernels`` (op -> module),
+    Attributes: ``plan`` (plan.json as a dict), ``kernels`` (op -> the module
+    that runs), ``kernel_variants`` (op -> backend -> module: what ``variants=``
+    gave, the first being ``kernels``' default), ``kernel_backends`` (op ->
+    the backend that runs) and ``backend_choices`` (op -> why, for ops with
+    several variants; :mod:`.backend_choice` chooses at construction),
     ``device``, ``dtype`` (compute dtype), ``num_layers``, ``page_size``,
     ``num_kv_heads``/``num_q_heads`` (this rank's), ``head_dim``,
     ``num_pages``/``num_residual_pages``, ``block_manager``, ``page_pool``
@@ -89,7 +93,8 @@ class KVCache(HostTierMixin, KernelConfigMixin):
                  tp_rank: int = 0, tp_size: int = 1, autotune: bool = True,
                  autotuner: Autotuner | None = None, max_seqs: int | None = None,
                  zero: bool = False, host_tokens: int | str | None = None,
-                 staging_tokens: int | None = None) -> None:
+                 staging_tokens: int | None = None,
+                 variants: Mapping[str, Mapping[str, ModuleType]] | None = None) -> None:
         self.plan = dict(plan)
         missing = [op for op in REQUIRED_OPS if op not in kernels]
         self.residual_tokens = (self.plan.get("scheme_params") or {}).get("residual_tokens")
@@ -98,6 +103,7 @@ class KVCache(HostTierMixin, KernelConfigMixin):
         if missing:
             raise KvgenRuntimeError(f"kernels lack the ops {missing}; recompile the plan (kvgen compile)")
         self.kernels = dict(kernels)
+        self.kernel_variants = _variants(self.kernels, variants)
         self.device = _indexed(torch.device(device)) if device is not None else default_device()
         _check_kernels_can_run(self.device, self.kernels)
         self.dtype = getattr(torch, self.plan["compute_dtype"])
@@ -142,10 +148,10 @@ class KVCache(HostTierMixin, KernelConfigMixin):
         self._held: list = []       # (event, ticket): device pages a copy to the host still reads
         self._arrivals: dict = {}   # sequence -> event of the copies that bring its pages to the device
         self.autotuner = autotuner or Autotuner(self.device, enabled=autotune)
-        self._hashes = {op: (self.plan.get("kernels") or {}).get(op, {}).get("hash") for op in self.kernels}
         self._buffers = DeviceBuffers(self.device)
         self._steps = 0
         self.step: StepMetadata | None = None
+        self._choose_backends()  # last: it may time the variants on this cache's pools (never raises)
 
     def __repr__(self) -> str:
         bm = self.block_manager
@@ -447,8 +453,16 @@ class KVCache(HostTierMixin, KernelConfigMixin):
 def load(plan: Mapping[str, Any], kernels: Mapping[str, ModuleType], device: torch.device | str | None = None,
          max_tokens: int | None = None, num_layers: int | None = None, dtype: torch.dtype | str | None = None,
          tp_rank: int = 0, tp_size: int = 1, autotune: bool = True, warmup: bool | None = None,
-         **kwargs: Any) -> KVCache:
+         variants: Mapping[str, Mapping[str, ModuleType]] | None = None, **kwargs: Any) -> KVCache:
     """A :class:`KVCache` for ``plan`` (plan.json as a dict) with ``kernels`` (op -> generated module).
+
+    ``variants``: op -> backend -> module, every kernel a package holds for
+    an op (its ``KERNEL_VARIANTS``; the first of each op is ``kernels[op]``).
+    Where an op has several (``kvgen compile --backend auto``), the cache runs
+    one, chosen per op (:mod:`.backend_choice`): the remembered choice of an
+    earlier timing (``kvgen tune``), or with ``KVGEN_AUTOTUNE=sync`` on a GPU
+    the variant whose tuned configs time faster now; else the first (Triton).
+    ``cache.kernel_backends`` says which runs, ``cache.backend_choices`` why.
 
     ``device``: default the current CUDA device, else the CPU. ``max_tokens``:
     allocate about that many tokens of pages instead of the planner's whole
@@ -465,7 +479,7 @@ def load(plan: Mapping[str, Any], kernels: Mapping[str, ModuleType], device: tor
     is ``cache.warmup_report``; a warm-up that fails is a warning, never an error.
     """
     cache = KVCache(plan, kernels, device=device, max_tokens=max_tokens, num_layers=num_layers, dtype=dtype,
-                    tp_rank=tp_rank, tp_size=tp_size, autotune=autotune, **kwargs)
+                    tp_rank=tp_rank, tp_size=tp_size, autotune=autotune, variants=variants, **kwargs)
     from .env import warmup_enabled
     from .warmup import WarmupReport, warm_up
 

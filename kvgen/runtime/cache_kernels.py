@@ -1,11 +1,14 @@
-"""KVCache's kernels: which ops a plan needs, whether they can run here, and each step's launch configs.
+"""KVCache's kernels: which ops a plan needs, whether they can run here, which variant runs, launch configs.
 
 :func:`_check_kernels_can_run` refuses, at construction, a CPU cache whose
 Triton kernels would not run (they run on the CPU only interpreted).
-:class:`KernelConfigMixin` (a mixin of :class:`~.cache.KVCache`) picks the
-launch config of each planned step's attention kernel through the cache's
-:class:`~.autotune.Autotuner`, and builds the synthetic inputs a tuning run
-times candidates on (``_bench``; also used by ``autotune.tune`` and warm-up).
+:class:`KernelConfigMixin` (a mixin of :class:`~.cache.KVCache`) holds every
+variant of each op (``kernel_variants``: a ``--backend auto`` package's
+Triton and CUDA modules) and which one runs (:mod:`.backend_choice`), picks
+the launch config of each planned step's attention kernel through the
+cache's :class:`~.autotune.Autotuner`, and builds the synthetic inputs a
+tuning run times candidates on (``_bench``; also used by ``autotune.tune``,
+the backend choice and warm-up).
 """
 
 from __future__ import annotations
@@ -37,8 +40,70 @@ def _check_kernels_can_run(device: torch.device, kernels: Mapping[str, ModuleTyp
             f"in the environment before triton (or the generated package) is imported, or use a CUDA device")
 
 
+def _backend_of(module: ModuleType) -> str:
+    return str(getattr(module, "BACKEND", "triton"))  # generated Triton modules carry no BACKEND
+
+
+def _variants(kernels: Mapping[str, ModuleType], variants: Mapping[str, Mapping[str, ModuleType]] | None
+              ) -> dict[str, dict[str, ModuleType]]:
+    """Op -> backend -> module for every op of ``kernels``; ``variants[op]``'s first module must be ``kernels[op]``."""
+    out = {op: {_backend_of(module): module} for op, module in kernels.items()}
+    for op, by_backend in (variants or {}).items():
+        if not isinstance(by_backend, Mapping) or not by_backend or op not in kernels:
+            raise KvgenRuntimeError(f"variants[{op!r}] must be a non-empty mapping backend -> module of an op the "
+                                    f"kernels have; pass the package's KERNEL_VARIANTS (or leave variants out)")
+        if next(iter(by_backend.values())) is not kernels[op]:
+            raise KvgenRuntimeError(f"the first of variants[{op!r}] must be kernels[{op!r}] (the op's default); "
+                                    f"pass the package's KERNELS and KERNEL_VARIANTS together")
+        out[op] = {str(b): m for b, m in by_backend.items()}
+    return out
+
+
 class KernelConfigMixin:
-    """Launch-config methods of KVCache (it provides autotuner, kernels, _hashes, pools, sizes, device...)."""
+    """Kernel-variant and launch-config methods of KVCache (it provides autotuner, kernels, kernel_variants,
+    _hashes, plan, pools, sizes, device...).
+
+    ``kernel_backends``: op -> the backend of the module ``kernels[op]`` runs;
+    ``backend_choices``: op -> :class:`~.backend_choice.BackendChoice` (why
+    that one) for each op with more than one variant.
+    """
+
+    def _variant_hash(self, op: str, backend: str) -> str | None:
+        """plan.json's KernelSpec hash of ``op``'s ``backend`` kernel (None: the module's header says)."""
+        entry = (self.plan.get("kernels") or {}).get(op) or {}
+        if backend in (entry.get("variants") or {}):
+            return entry["variants"][backend].get("hash")
+        return entry.get("hash") if entry.get("backend", "triton") == backend else None
+
+    def _choose_backends(self) -> None:
+        """At construction: which variant of each op runs (kernels[op] is the first until chosen)."""
+        self._hashes = {op: self._variant_hash(op, _backend_of(m)) for op, m in self.kernels.items()}
+        self.kernel_backends = {op: next(iter(v)) for op, v in self.kernel_variants.items()}
+        self.backend_choices = {}
+        for op, by_backend in self.kernel_variants.items():
+            if len(by_backend) > 1:
+                self._choose_backend(op, self._plan_shapes(op))
+
+    def _plan_shapes(self, op: str) -> list[tuple[int, ...]]:
+        # What the plan was made for: its context, alone and at its concurrency.
+        context = int(self.plan.get("context") or 4096)
+        if op == "decode":
+            return [(1, context), (max(1, int(self.plan.get("concurrency") or 1)), context)]
+        return [(1, context, context)]
+
+    def _choose_backend(self, op: str, shapes=(), *, explicit: bool = False):
+        """Choose ``op``'s variant (:func:`.backend_choice.choose`) and run it from now on; returns the choice."""
+        from .backend_choice import choose
+
+        by_backend = self.kernel_variants[op]
+        choice = choose(self.autotuner, op, {b: (m, self._variant_hash(op, b)) for b, m in by_backend.items()},
+                        lambda module, shape: (lambda cfg: self._bench(op, shape, cfg, module)), shapes,
+                        explicit=explicit, release=lambda: self.__dict__.pop("_bench_inputs", None))
+        self.kernels[op] = by_backend[choice.backend]
+        self._hashes[op] = self._variant_hash(op, choice.backend)
+        self.kernel_backends[op] = choice.backend
+        self.backend_choices[op] = choice
+        return choice
 
     def _configs(self, step: StepMetadata) -> dict[str, Any]:
         # Host-only lookups (a remembered winner or the model's config; timing only with
@@ -65,11 +130,12 @@ class KernelConfigMixin:
         finally:
             self.__dict__.pop("_bench_inputs", None)  # tuning's synthetic inputs (GBs for a long prefill)
 
-    def _bench(self, op: str, shape: tuple[int, ...], config: dict[str, Any]):
-        """A closure running ``op`` once with ``config`` on synthetic inputs of the bucket's shape (reads only).
+    def _bench(self, op: str, shape: tuple[int, ...], config: dict[str, Any] | None, module: ModuleType | None = None):
+        """A closure running ``op`` (``module``: this variant of it) once with ``config`` on synthetic inputs of
+        the bucket's shape (reads only).
 
         The inputs are made on the device once per (op, bucket) and shared by
-        every candidate of that bucket; whoever tunes drops them afterwards
+        every candidate and variant of that bucket; whoever tunes drops them afterwards
         (``_config``, ``autotune.tune``: ``self._bench_inputs``).
         """
         from .autotune import bucket
@@ -102,7 +168,7 @@ class KernelConfigMixin:
             self._bench_inputs = memo
         t = memo[1]
         pools = self.pools[0]
-        mod = self.kernels[op]
+        mod = module if module is not None else self.kernels[op]
         if op == "decode":
             return lambda: mod.launch(t["q"], t["out"], pools, t["bt"], t["seq_lens"], t["ncomp"], self.sm_scale,
                                       config=config)

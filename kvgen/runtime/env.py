@@ -11,8 +11,11 @@ re-exports it for the compiler side.
 - ``KVGEN_AUTOTUNE``: how kernel configs are chosen per shape bucket:
   ``cached`` (default) uses winners tuned earlier (``kvgen tune``) and
   otherwise a model of the kernel, never timing while a request waits;
-  ``sync`` also tunes a new bucket on first use (a few seconds, once);
-  ``off`` ignores tuned winners too (the model's configs only).
+  ``sync`` also tunes a new bucket on first use (a few seconds, once), and
+  at load times an op's kernels against each other where a package holds
+  several (``--backend auto``; ``runtime/backend_choice.py``);
+  ``off`` ignores tuned winners and remembered kernel choices too (the
+  model's configs and the first kernel only).
 - ``KVGEN_WARMUP``: ``0``/``off``/``false`` skips compiling the kernels'
   variants at ``load()`` (default on; CUDA only, see ``runtime/warmup.py``).
 - ``TRITON_INTERPRET``: when ``1``, Triton kernels run on the CPU

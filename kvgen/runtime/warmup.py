@@ -120,11 +120,6 @@ def _persisted(cache: Any, op: str, sizes_of) -> list[dict[str, Any]]:
     return out
 
 
-def _sizes(key: str) -> tuple[int, ...]:
-    # "decode/b8/s1024" -> (8, 1024); "prefill/b1/q512/s1024" -> (1, 512, 1024)
-    return tuple(int(part[1:]) for part in key.split("/")[1:])
-
-
 def _context_limit(cache: Any) -> int:
     plan = cache.plan
     for key in ("context", "max_context", "max_positions"):
@@ -142,7 +137,7 @@ def decode_variants(cache: Any) -> list[dict[str, Any]]:
             cfg = tuner.default(module, (b, s), "decode")
             if cfg:
                 seen.setdefault(_compiled(cfg), {k: v for k, v in cfg.items() if k != "num_splits"})
-    for cfg in _persisted(cache, "decode", _sizes):
+    for cfg in _persisted(cache, "decode", Autotuner.shape_of):
         seen.setdefault(_compiled(cfg), {k: v for k, v in cfg.items() if k != "num_splits"})
     return list(seen.values())
 
@@ -158,7 +153,7 @@ def prefill_configs(cache: Any) -> list[dict[str, Any]]:
                 cfg = tuner.default(module, (b, q, s), "prefill")
                 if cfg:
                     seen.setdefault(_compiled(cfg), dict(cfg))
-    for cfg in _persisted(cache, "prefill", _sizes):
+    for cfg in _persisted(cache, "prefill", Autotuner.shape_of):
         seen.setdefault(_compiled(cfg), dict(cfg))
     return list(seen.values())
 
