@@ -15,7 +15,12 @@ A Llama-3-8B-shaped model with random bf16 weights (no download). Parts
     sequences per scheme; HF ``generate`` with static batches of 32 over the
     first ``--hf-requests`` requests.
 (c) ``throughput`` with ``context`` 32768: equal KV memory (``--kv-bound-gb``)
-    for every scheme, 32K-token sequences decoding: int4 fits ~3x bf16's.
+    for every scheme, 32K-token prompts then ``--kv-bound-output`` tokens
+    each: int4 fits ~3x bf16's. Besides the end-to-end ``tokens_per_s``
+    (which the 32K-token prefills dominate, and they cost the same for
+    every scheme), ``decode_tokens_per_s`` counts the steps that only decode
+    (the phase the KV budget bounds) and ``decode_share`` their part of the
+    run.
 (d) ``ttft``: time to first token of one 16K-token prompt.
 
 JSON: ``{gpu, torch, triton, copy_bandwidth, date, records: [...]}``; each
@@ -175,10 +180,13 @@ def workload(n: int, seed: int = 0, prompt=(512, 2048), output=(128, 512)):
 
 def throughput_record(kv, reqs, *, max_model_len, max_num_seqs, max_tokens=None, context=None, label="kvgen"):
     eng = make_engine(kv, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_tokens=max_tokens)
-    generated, s = run_offline(eng, reqs, torch.cuda.synchronize)
+    phases: dict = {}
+    generated, s = run_offline(eng, reqs, torch.cuda.synchronize, phases)
     rec = dict(kind="throughput", engine=label, kv=kv, requests=len(reqs), context=context, ms=s * 1e3,
                tokens_per_s=generated / s, peak_concurrent=eng.peak_running, preemptions=eng.scheduler.num_preemptions,
-               capacity_tokens=eng.cache.capacity_tokens)
+               capacity_tokens=eng.cache.capacity_tokens, output_tokens=[min(m for _, m in reqs), max(m for _, m in reqs)],
+               decode_steps=phases["decode_steps"], decode_share=phases["decode_s"] / s if s else None,
+               decode_tokens_per_s=phases["decode_tokens"] / phases["decode_s"] if phases["decode_s"] else None)
     log(json.dumps(rec))
     holder = [eng]
     del eng
@@ -282,6 +290,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-hf-static", action="store_true")
     ap.add_argument("--kv-bound-gb", type=float, default=16.0)
+    ap.add_argument("--kv-bound-output", type=int, default=512,
+                    help="output tokens of each KV-bound request (its decode phase; the 32K prompt is the same)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="step part: time kvgen's steps with async scheduling too (records with async_scheduling true)")
     from kvgen.engine.config import ENGINE_BACKENDS
@@ -336,21 +346,23 @@ def main(argv=None) -> int:
     if "kvbound" in parts:
         ctx = 8192 if q else 32768
         budget = (2 if q else args.kv_bound_gb) * 2**30
+        out_len = 64 if q else args.kv_bound_output
         for kv in kvs:
             def kv_bound(kv=kv):
                 # one sequence's engine only to read the scheme's bytes per token (the planner refuses 256
                 # sequences of 32K tokens: more than the GPU and the host tier hold)
-                eng = make_engine(kv, max_model_len=ctx + 256, max_num_seqs=1, max_tokens=ctx + 256)
+                eng = make_engine(kv, max_model_len=ctx + out_len + 64, max_num_seqs=1,
+                                  max_tokens=ctx + out_len + 64)
                 per_token = eng.plan.kv_bytes_per_token
                 holder = [eng]
                 del eng
                 release(holder)
                 cap = int(budget // per_token)
-                n = max(1, cap // (ctx + 128))
-                reqs = workload(2 * n, seed=2, prompt=(ctx - 64, ctx), output=(128, 128))
+                n = max(1, cap // (ctx + out_len))
+                reqs = workload(2 * n, seed=2, prompt=(ctx - 64, ctx), output=(out_len, out_len))
                 # max_num_seqs = every request: the KV budget, not the sequence limit, bounds concurrency
-                return throughput_record(kv, reqs, max_model_len=ctx + 256, max_num_seqs=len(reqs), max_tokens=cap,
-                                         context=ctx)
+                return throughput_record(kv, reqs, max_model_len=ctx + out_len + 64, max_num_seqs=len(reqs),
+                                         max_tokens=cap, context=ctx)
             attempt(kv_bound)
     if "ttft" in parts:
         for kv in kvs:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import engine as bench_engine
 from benchmarks.engine import log, make_engine, release, run_until, weight_bytes
 from benchmarks.run import copy_bandwidth
 from kvgen.atomic import write_atomic
@@ -152,14 +153,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/engine_profile.json")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="also time graph steps with the engine's async scheduling (graph_async_ms)")
+    from kvgen.engine.config import ENGINE_BACKENDS
+
+    ap.add_argument("--kernel-backend", default="triton", choices=ENGINE_BACKENDS,
+                    help="the decode kernel's language, as benchmarks.engine --kernel-backend")
     args = ap.parse_args(argv)
+    bench_engine.KERNEL_BACKEND = args.kernel_backend
     import triton
 
     bw = copy_bandwidth()
     records: list[dict] = []
     doc = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                copy_bandwidth=bw, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               command="python -m benchmarks.engine_profile " + " ".join(argv or sys.argv[1:]), records=records)
+               command="python -m benchmarks.engine_profile " + " ".join(argv or sys.argv[1:]),
+               kernel_backend=args.kernel_backend, records=records)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes.split(","):

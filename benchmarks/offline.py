@@ -6,11 +6,21 @@ import time
 from collections.abc import Callable, Sequence
 
 
-def run_offline(engine, requests: Sequence[tuple[list[int], int]], sync: Callable[[], None]) -> tuple[int, float]:
+def run_offline(engine, requests: Sequence[tuple[list[int], int]], sync: Callable[[], None],
+                phases: dict | None = None) -> tuple[int, float]:
     """Queue every ``(prompt ids, output tokens)`` request greedily (no EOS stop), step until all finish.
 
     Returns ``(generated tokens, seconds)``, timed between two ``sync()`` calls
-    so the device's queued work is counted.
+    so the device's queued work is counted. ``phases``, when given, receives
+    the decode-only part of the run: ``decode_steps``, ``decode_tokens`` and
+    ``decode_s``, the ``step()`` calls that launched a step of one token for
+    every scheduled sequence and nothing else (no prompt chunk; the engine's
+    ``num_decode_steps``), each timed from call to return. That is the phase
+    a KV-bound batch is bound by: a long prompt's prefill costs the same
+    whatever the KV scheme. A synchronous engine's step returns after its
+    tokens are read, so its time is the step's; with async scheduling a
+    call's time is its successor's planning plus its own wait, the same
+    total over a run of steps.
     """
     from kvgen.engine import SamplingParams
 
@@ -20,9 +30,19 @@ def run_offline(engine, requests: Sequence[tuple[list[int], int]], sync: Callabl
     sync()
     start = time.perf_counter()
     generated = 0
+    dec_steps = dec_tokens = 0
+    dec_s = 0.0
     while engine.has_unfinished_requests():
+        steps0, tokens0 = (engine.num_decode_steps, engine.num_decode_tokens) if phases is not None else (0, 0)
+        t = time.perf_counter()
         for out in engine.step():
             if out.finished:
                 generated += len(out.outputs[0].token_ids)
+        if phases is not None and engine.num_decode_steps > steps0:
+            dec_steps += engine.num_decode_steps - steps0
+            dec_tokens += engine.num_decode_tokens - tokens0
+            dec_s += time.perf_counter() - t
     sync()
+    if phases is not None:
+        phases.update(decode_steps=dec_steps, decode_tokens=dec_tokens, decode_s=dec_s)
     return generated, time.perf_counter() - start

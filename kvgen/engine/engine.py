@@ -68,6 +68,10 @@ class LLMEngine(OutputsMixin):
         self.num_steps = 0
         self.num_async_steps = 0
         """Steps planned and launched while the step before was in flight (see :attr:`async_scheduling`)."""
+        self.num_decode_steps = 0
+        """Steps that ran one token of every scheduled sequence and nothing else (no prompt chunk)."""
+        self.num_decode_tokens = 0
+        """Tokens those steps ran (their batch sizes, summed)."""
         self.peak_running = 0
         self.stream_text = True
         """Decode the text of running completions into every step's outputs (off: only finished ones; faster)."""
@@ -188,6 +192,7 @@ class LLMEngine(OutputsMixin):
             if eager is not None:
                 eager()
         logits = self.runner.run(sched.step, ids, pos, rows)
+        self._count_decode(sched.step)
         for seq, n in zip(sched.seqs, sched.num_new):
             seq.num_computed += n
         slots, owners, forks = self._slots(sched)
@@ -315,6 +320,7 @@ class LLMEngine(OutputsMixin):
         self.num_async_steps += 1
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
         logits = self.runner.run(nxt.step, ids, [s.num_computed for s in nxt.seqs], list(range(len(nxt.seqs))))
+        self._count_decode(nxt.step)
         for seq in nxt.seqs:
             seq.num_computed += 1
         cur = self._inflight = _InFlight(nxt.seqs, None)  # finishing from here on: freed after nxt's sync
@@ -325,6 +331,11 @@ class LLMEngine(OutputsMixin):
         cur.sample = sample_async(logits, slots)
         if not any(s.status is Status.RUNNING for s in cur.seqs):
             self._drain(changed)  # everything finished: nobody would call step() for it
+
+    def _count_decode(self, step: Any) -> None:
+        if step.is_decode:
+            self.num_decode_steps += 1
+            self.num_decode_tokens += step.batch
 
     def _drain(self, changed: dict[str, Request]) -> None:
         """Read and apply the step in flight, then free the sequences that finished during it."""
