@@ -98,7 +98,7 @@ class RecordingCache:
     """
 
     QUERIES = frozenset({"seq_len", "sequences", "kv_head_range", "q_head_range", "allocated_bytes", "read_kv",
-                         "pool_tensors"})
+                         "pool_tensors", "num_free_pages"})
 
     def __init__(self, cache: Any) -> None:
         self.__wrapped__ = cache

@@ -110,6 +110,11 @@ class Scheduler:
         self.truncated: list[Sequence] = []
         """Lone sequences the cache could not hold any more, removed; the engine finishes them (``length``)."""
         self._swapped_now = False
+        # (head of the queue, free device pages) after its admission failed for lack of pages: it is not tried
+        # again until pages are freed. Each try costs the cache's add (the whole prompt's ids checked and its
+        # prefix hashed) and a failed plan_step, every step while a KV-bound batch runs -- milliseconds of host
+        # time per step at 32K-token prompts, and it kept async scheduling off (a head that "could join").
+        self._blocked: tuple[Sequence, int] | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -181,8 +186,15 @@ class Scheduler:
         (would anything be admitted?) ask this. The queue must not be empty.
         """
         head = self.waiting[0]
+        if self._blocked is not None and self._blocked[0] is head and self.running and \
+                self.cache.num_free_pages() <= self._blocked[1]:
+            return None  # it did not fit, and no page was freed since (the running sequences will free some)
         unit = self._swapped_group(head) if head.status is Status.SWAPPED else [head]
         return unit if slots + sum(s.reserve for s in unit) <= self.max_num_seqs else None
+
+    def _block(self, head: Sequence) -> None:
+        """``head`` (the queue's head now) did not fit: leave it until pages are freed."""
+        self._blocked = (head, self.cache.num_free_pages())
 
     def _send_back(self, seq: Sequence) -> None:
         """Recompute: free ``seq``'s pages, queue it at the front with its tokens."""
@@ -214,6 +226,7 @@ class Scheduler:
         """Plan the next step (None when nothing is waiting or running)."""
         preempted: list[Sequence] = []
         admit_limit = None
+        admitted_before_limit = False  # a unit was sent back for lack of pages: block the queue's head after
         self._swapped_now = False
         while True:
             if not self.running and not self.waiting:
@@ -240,6 +253,7 @@ class Scheduler:
                 if head.status is Status.SWAPPED:
                     if not self._swap_in(unit):
                         swapped_in.pop()
+                        self._block(head)
                         break  # the device lacks pages: it waits (FIFO: nobody overtakes it)
                 else:
                     self.waiting.popleft()
@@ -266,6 +280,7 @@ class Scheduler:
                     admit_limit = 0  # a swapped-in fork group alone: keep it; preempt within it next
                 elif admitted:
                     admit_limit = len(admitted) - 1
+                    admitted_before_limit = True
                     for unit, was_swapped in reversed(list(zip(admitted, swapped_in))):
                         if was_swapped:
                             self._preempt(unit)  # swapped in just now: back to the host (or recompute)
@@ -285,6 +300,8 @@ class Scheduler:
                     self.remove(victim)
                     self.truncated.append(victim)
                 continue
+            if admit_limit is not None and admitted_before_limit and self.waiting:
+                self._block(self.waiting[0])  # the unit the limit left out: pages counted after this step's
             sample = [s.num_computed + n == len(s.tokens) for s, n in zip(seqs, counts)]
             return ScheduledStep(seqs, counts, step, sample, preempted, self._swapped_now)
 

@@ -170,6 +170,15 @@ class KVCache(HostTierMixin, KernelConfigMixin):
         """Tokens the allocated pages hold (compressed plus residual pool)."""
         return (self.num_pages + self.num_residual_pages) * self.page_size
 
+    def num_free_pages(self) -> int:
+        """Device pages an allocation can take now (free or evictable), compressed and residual pools together.
+
+        It grows only when pages are freed (or become evictable); a caller
+        that failed to fit work may wait for it to grow before trying again.
+        """
+        bm = self.block_manager
+        return bm.num_free_pages(COMPRESSED) + (bm.num_free_pages(RESIDUAL) if self.num_residual_pages else 0)
+
     def allocated_bytes(self, pool: str | None = None) -> int:
         """Bytes of page storage over all layers (``pool``: ``"compressed"``/``"residual"`` only)."""
         return self.page_pool.nbytes(pool)

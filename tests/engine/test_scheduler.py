@@ -63,6 +63,32 @@ def test_preemption_gives_the_same_tokens():
     assert results[0] == results[1] == [runner.greedy(p, 40) for p in prompts]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_that_does_not_fit_is_retried_only_after_pages_are_freed(async_scheduling):
+    """KV-bound: about 2 of 6 long prompts fit at once. The queue's head is offered to the cache again only
+    after running sequences free pages, not at every decode step (each offer checks and hashes its whole prompt:
+    120 offers here before), and the decode steps while it waits stay asynchronous; the tokens are those of an
+    unbounded run."""
+    runner = TableRunner(seed=2)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(64) for _ in range(150)] for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=60)
+    cache = stories_cache(2 * 224)  # 28 pages: two sequences of 210 tokens (14 pages each)
+    eng = fake_engine(cache, runner, async_scheduling=async_scheduling)
+    adds = []
+    add = cache.add
+    cache.add = lambda *a, **kw: adds.append(a[0]) or add(*a, **kw)
+    ids = [eng.add_request(None, p, params) for p in prompts]
+    done = run_all(eng)
+    assert [done[i].outputs[0].token_ids for i in ids] == [runner.greedy(p, 60) for p in prompts]
+    assert eng.peak_running <= 3 and eng.num_decode_steps >= 3 * 50
+    # each request admitted once and again after each preemption, plus at most one failed offer per finish
+    assert len(set(adds)) == 6 and len(adds) <= 6 + eng.scheduler.num_preemptions + 6
+    if async_scheduling:
+        assert eng.num_async_steps >= 3 * 50  # decode ran on while the head waited
+    assert all_free(cache)
+
+
 def test_prefix_reuse_skips_cached_pages():
     cache = stories_cache(4096)
     runner = TableRunner()
