@@ -19,11 +19,8 @@ pure decode step in a single phase without copy-on-write copies (the first
 step after a fork has them) and without cold pages (a host tier's pages
 staged inside the layer loop); anything else runs eagerly through the
 runtime (the same model code). The decode config is fixed at capture: the
-runtime's choice for the smallest batch the bucket serves at the longest
-context (``KVCache.kernel_config``): padding rows have no tokens, so a
-bucket of 16 replaying 12 sequences runs 12 rows' programs, and a split
-count sized for 16 left SMs idle (H200, 12 x 32K tokens: attention 13.6 ms
-in the graph against 9.2 ms eager).
+runtime's choice for the bucket's batch at the longest context
+(``KVCache.kernel_config``).
 """
 
 from __future__ import annotations
@@ -103,12 +100,11 @@ class DecodeGraphs:
         cache = self.cache
         write, decode = cache.kernels["cache_write"], cache.kernels["decode"]
         quantize = cache.kernels.get("page_quantize") if convert else None
-        # the runtime's config for the smallest batch this bucket replays (the module docstring says why) at the
-        # longest context (a graph serves every length up to it; the kernel divides each sequence's pages among
-        # its splits); a package whose runtime predates kernel_config gets the kernel's shape default
+        # the runtime's config for this batch at the longest context (a graph serves every length up to it;
+        # the kernel divides each sequence's pages among its splits); a package whose runtime predates
+        # kernel_config gets the kernel's shape default
         pick = getattr(cache, "kernel_config", None)
-        smallest = max((x for x in self.buckets if x < b), default=0) + 1
-        config = pick("decode", (smallest, self.max_pages * cache.page_size)) if pick is not None else None
+        config = pick("decode", (b, self.max_pages * cache.page_size)) if pick is not None else None
         slots, tables = self.slots[:b], self.block_tables[:b]
         lens, ncomp = self.seq_lens[:b], self.num_compressed[:b]
         src, dst = self.conv_src[:b], self.conv_dst[:b]

@@ -149,7 +149,7 @@ def test_random_weight_engine_from_a_config():
 def test_graph_path_static_buffers_give_the_same_tokens(monkeypatch):
     """The CUDA-graph step's static buffers (padding rows, in-graph page conversions for int4) run eagerly
     on the CPU: tokens equal the runtime's own decode path. The graphs' decode config is the runtime's
-    (kernel_config at the smallest batch a bucket replays and the longest context); here it asks for 3 splits, so the
+    (kernel_config at the bucket's batch and the longest context); here it asks for 3 splits, so the
     kernel's in-launch combine runs too (the CPU default is one split)."""
     from kvgen.engine.graphs import DecodeGraphs
 
@@ -171,9 +171,7 @@ def test_graph_path_static_buffers_give_the_same_tokens(monkeypatch):
             assert eng.runner.graph_steps >= 8 and eng.runner.graphs.converted_steps > 0
             longest = eng.runner.graphs.max_pages * eng.cache.page_size
             assert {op for op, _ in asked} == {"decode"} and {s[1] for _, s in asked} == {longest}
-            buckets = eng.runner.graphs.buckets
-            # each bucket's config is the one for the smallest batch it replays: 1, 2, and 3 for bucket 4 (3-4 rows)
-            assert buckets == [1, 2, 4] and 3 in {s[0] for _, s in asked} <= {1, 2, 3}
+            assert {s[0] for _, s in asked} >= {4}
             # the graphs' own counters (a captured graph keeps their address), left zero by the split launches
             own = eng.runner.graphs.counters
             assert given and all(c is own for c in given) and int(own.count_nonzero()) == 0
