@@ -18,9 +18,11 @@ def run_offline(engine, requests: Sequence[tuple[list[int], int]], sync: Callabl
     ``num_decode_steps``), each timed from call to return. That is the phase
     a KV-bound batch is bound by: a long prompt's prefill costs the same
     whatever the KV scheme. A synchronous engine's step returns after its
-    tokens are read, so its time is the step's; with async scheduling a
-    call's time is its successor's planning plus its own wait, the same
-    total over a run of steps.
+    tokens are read, so its time is the step's. With async scheduling a call
+    returns before its step's tokens are read and also waits for the step
+    before: the first decode call after a prompt's last chunk also pays for
+    that chunk, so measure phases synchronously (the KV-bound benchmark
+    does).
     """
     from kvgen.engine import SamplingParams
 

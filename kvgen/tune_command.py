@@ -59,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "json", False):
             print(json.dumps(r, default=str))
         else:
-            print(f"{r['op']:8s} {r['key']:28s} {r.get('ms') or float('nan'):8.4f} ms  {r['config']}  "
+            backend = f"{r['backend']:6s} " if r.get("backend") else ""
+            print(f"{r['op']:8s} {backend}{r['key']:28s} {r.get('ms') or float('nan'):8.4f} ms  {r['config']}  "
                   f"({r.get('candidates')} candidates, {r.get('seconds', 0):.1f} s)")
+    if not getattr(args, "json", False):
+        for op, choice in sorted((getattr(cache, "backend_choices", None) or {}).items()):
+            print(f"{op:8s} runs {choice.why}")  # --backend auto: which variant the runtime chose, and why
     return 0

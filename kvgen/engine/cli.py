@@ -50,7 +50,7 @@ def add_speed_args(p: argparse.ArgumentParser) -> None:
                         "not with --tp above 1 or --host-tokens)")
     p.add_argument("--backend", default="triton", choices=ENGINE_BACKENDS,
                    help="kernel language, as in 'kvgen compile': triton (default) or cuda (the CUDA decode kernel "
-                        "where the scheme has one: faster int8/fp8/int4 KV on a GPU; needs nvcc once, to build it)")
+                        "where the scheme has one: faster int8/fp8/int4/int2 KV on a GPU; needs nvcc once, to build it)")
 
 
 def host_tokens_arg(text: str) -> int | str:

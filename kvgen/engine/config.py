@@ -16,8 +16,9 @@ from typing import Any
 from .errors import EngineError
 
 ENGINE_BACKENDS = ("triton", "cuda")
-"""The kernel languages the engine runs (``kernel_backend``, ``--backend``): a package of ``kvgen compile
---backend auto`` holds both, but the runtime does not choose between them, so the engine takes no ``auto``."""
+"""The kernel languages the engine runs (``kernel_backend``, ``--backend``). A ``kvgen compile --backend auto``
+package holds both and its runtime picks per op from timings (``kvgen tune``, or ``KVGEN_AUTOTUNE=sync`` at load;
+Triton until then); the engine asks for one by name, so its plan summary and its graphs say what runs."""
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")

@@ -80,8 +80,8 @@ def check_kernel_backend(backend: str, device: torch.device) -> None:
     """EngineError unless the engine can run ``backend``'s kernels on ``device``."""
     if backend not in ENGINE_BACKENDS:
         raise EngineError(f"kernel backend must be {' or '.join(ENGINE_BACKENDS)}, got {backend!r}"
-                          + (" (auto packages both, but the runtime does not pick between them: say which)"
-                             if backend == "auto" else ""))
+                          + (" (the engine runs the one named; kvgen compile --backend auto with kvgen tune lets "
+                             "the runtime time both)" if backend == "auto" else ""))
     if backend != "triton" and device.type != "cuda":
         raise EngineError(f"the {backend} kernel backend runs CUDA kernels; the engine is on {device}: use "
                           "--backend triton there (the default)")
@@ -124,8 +124,8 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     one-step lag, as vLLM V1's; see :attr:`LLMEngine.async_scheduling`);
     needs ``tp=1`` and no host tier (EngineError otherwise, before anything loads).
     ``kernel_backend``: the kernels' language, as ``kvgen compile --backend``: ``triton`` (default) or
-    ``cuda`` (the CUDA decode kernel wherever the scheme's CUDA macros serve the spec: int8, fp8, KIVI int4,
-    16-bit pages at the head dims they tile; Triton for every other op and spec, said in the summary line
+    ``cuda`` (the CUDA decode kernel wherever the scheme's CUDA macros serve the spec: int8, fp8, KIVI int4 and
+    int2, 16-bit pages at the head dims they tile; Triton for every other op and spec, said in the summary line
     when verbose). cuda needs a CUDA device (EngineError otherwise, before anything loads).
     """
     from kvgen.integrations.transformers import compile_for_model, plan_for_model

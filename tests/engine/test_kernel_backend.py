@@ -16,7 +16,7 @@ TINY = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
-@pytest.mark.parametrize("backend,match", [("cuda", "runs CUDA kernels"), ("auto", "does not pick between them"),
+@pytest.mark.parametrize("backend,match", [("cuda", "runs CUDA kernels"), ("auto", "runs the one named"),
                                            ("opencl", "triton or cuda")])
 def test_build_engine_refuses_a_backend_it_cannot_run_before_planning(monkeypatch, backend, match):
     import kvgen.integrations.transformers as integration
