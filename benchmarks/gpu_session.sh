@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -139,6 +139,23 @@ if [ "$what" = cuda-engine ]; then
   timeout 170 python3 -m benchmarks.engine --parts kvbound --no-hf --kv bf16,int4 --kernel-backend cuda \
     --out "$OUT/engine_kvbound_cuda.json" >"$OUT/engine_kvbound_cuda.log" 2>&1
   echo "KV-bound (cuda decode): exit $?"; grep '"kind"' "$OUT/engine_kvbound_cuda.log" | cut -c1-300
+fi
+if [ "$what" = recheck ]; then
+  # About 9 minutes: what the 2026-12-02 sessions changed but could not run on a GPU (their device time was
+  # spent): the timer's cold inputs (kernel_timer.cold_copies) and their premise, the int2 CUDA reader's window
+  # test, the engine's kernel_backend="auto"; then the runtime's own decode choice at the anchor shapes
+  # (issue 16: does the 64-dim bf16 anchor run Triton now that buckets are timed cold?) and the KV-bound
+  # throughput after the scheduler fix c64bb93 (issue 14: int4 KV's decode phase against bf16's, goal 2x).
+  par=""; python3 -c "import xdist" 2>/dev/null && par="-n 12"
+  timeout 170 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/test_kernel_timer.py tests/test_cuda_backend.py tests/engine/test_gpu.py tests/engine/test_kernel_backend.py \
+    >"$OUT/pytest-gpu-recheck.log" 2>&1; echo "timer + CUDA backend + engine GPU tests: exit $? (124: cut)"
+  tail -3 "$OUT/pytest-gpu-recheck.log"
+  timeout 130 python3 -m benchmarks.run --ops decode --schemes bf16,int8,int4 --backend auto --out "$OUT/decode_auto" \
+    >"$OUT/decode_auto.log" 2>&1; echo "decode, --backend auto: exit $?"; grep -E "\"op\": \"decode\"" "$OUT/decode_auto.log" | cut -c1-200
+  timeout 230 python3 -m benchmarks.engine --parts kvbound --no-hf --kv bf16,int4 --kernel-backend auto \
+    --out "$OUT/engine_kvbound_auto.json" >"$OUT/engine_kvbound_auto.log" 2>&1
+  echo "KV-bound (kernel_backend auto): exit $?"; grep '"kind"' "$OUT/engine_kvbound_auto.log" | cut -c1-300
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"

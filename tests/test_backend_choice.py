@@ -230,3 +230,38 @@ def test_auto_package_load_hands_its_variants_to_the_runtime(tmp_path):
                          autotuner=Autotuner("cpu", directory=tmp_path / "tune", progress=False))
     assert again.kernel_backends["decode"] == "triton" and again.backend_choices["decode"].origin == "fallback"
     assert again.kernels["decode"] is pkg.KERNELS["decode"]
+
+
+def test_choose_backend_decides_now_in_cached_mode_and_persists(tmp_path, monkeypatch):
+    """An engine's start-up decision: in the default cached mode load() keeps the first variant, and
+    cache.choose_backend(op) times the variants then (at the plan's shapes and the caller's), persists the
+    winner, and a later load remembers it; an op with one kernel, or a tuner that cannot time, keeps what runs."""
+    log: list = []
+    kernels, variants, cuda = _kernels("decide", log, -0.05)
+
+    def cached_tuner():
+        tuner = _tuner(tmp_path, force=False, mode="cached")
+        monkeypatch.setattr(tuner, "can_time", lambda: True)  # as on a GPU outside the interpreter
+        return tuner
+
+    cache = _load(_plan(), kernels, variants, cached_tuner())
+    assert cache.kernel_backends["decode"] == "triton" and cache.backend_choices["decode"].origin == "first"
+    choice = cache.choose_backend("decode", [(32, 2048)])
+    assert choice.origin == "timed" and choice.backend == "cuda" and cache.kernels["decode"] is cuda
+    assert choice.shapes == ("decode/b1/s4096", "decode/b8/s4096", "decode/b32/s2048")
+    assert cache.backend_choices["decode"] is choice and cache.kernel_backends["decode"] == "cuda"
+    assert cache.choose_backend("decode").origin == "remembered"  # decided once, then reused
+    assert cache.choose_backend("decode", retime=True).origin == "timed"
+    again = _load(_plan(), kernels, variants, cached_tuner())
+    assert again.kernels["decode"] is cuda and again.backend_choices["decode"].origin == "remembered"
+    # one variant: nothing to decide
+    assert again.choose_backend("prefill").backend == "triton" and again.kernel_backends["prefill"] == "triton"
+
+    fresh, fresh_variants, fresh_cuda = _kernels("decide2", log, -0.05)
+    untimed = _tuner(tmp_path / "other", force=False, mode="cached")  # meta device: cannot time
+    idle = _load(_plan(), fresh, fresh_variants, untimed)
+    assert idle.choose_backend("decode").origin == "first" and idle.kernels["decode"] is fresh["decode"]
+    off = _tuner(tmp_path / "off", force=False, mode="cached", enabled=False)
+    monkeypatch.setattr(off, "can_time", lambda: True)
+    untuned = _load(_plan(), fresh, fresh_variants, off)
+    assert untuned.choose_backend("decode").origin == "first" and untuned.kernels["decode"] is fresh["decode"]

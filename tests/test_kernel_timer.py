@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvgen.runtime.kernel_timer import do_bench_ms, graph_time_ms
+import types
+
+from kvgen.runtime import kernel_timer
+from kvgen.runtime.kernel_timer import COLD_FACTOR, MAX_COLD_COPIES, cold_copies, do_bench_ms, graph_time_ms
 
 
 def _cuda():
@@ -51,3 +54,56 @@ def test_a_call_that_cannot_be_captured_is_timed_the_old_way():
     assert 0 < ms < 100
     assert torch.cuda.current_stream() == before  # the failed capture's stream is not left current
     assert torch.cuda.is_available() and x.sum().item() == 1024.0
+
+
+def test_cold_copies_cover_a_few_l2_caches(monkeypatch):
+    """Enough input sets that COLD_FACTOR L2s pass between two uses of one; none where there is no L2."""
+    assert cold_copies(1 << 20, "cpu") == 1 and cold_copies(1 << 20, "meta") == 1
+    monkeypatch.setattr(kernel_timer, "l2_bytes", lambda device: 50 << 20)
+    assert cold_copies(50 << 20, "cuda") == COLD_FACTOR
+    assert cold_copies(COLD_FACTOR * (50 << 20), "cuda") == 1  # cold by itself
+    assert cold_copies(7 << 20, "cuda") == -(-COLD_FACTOR * 50 // 7)
+    assert cold_copies(1, "cuda") == MAX_COLD_COPIES and cold_copies(0, "cuda") == 1
+
+
+def test_the_runtime_bench_cycles_through_distinct_block_tables(tmp_path, monkeypatch):
+    """KVCache._bench: successive calls read different random pages (one table per cold copy, in turn); the
+    same table comes back only after the others, and every other input is shared."""
+    from kvgen.runtime.pools import page_bytes
+    from test_backend_choice import _kernels, _load, _plan, _tuner
+
+    kernels, variants, _ = _kernels("coldbench", [], 0.0)
+    cache = _load(_plan(), kernels, variants, _tuner(tmp_path))
+    cache.__dict__.pop("_bench_inputs", None)
+    B, S = 2, 1024
+    one_set = B * (-(-S // cache.page_size)) * page_bytes(cache.pools[0])
+    monkeypatch.setattr(kernel_timer, "l2_bytes", lambda device: one_set)  # -> COLD_FACTOR tables
+    seen = []
+    probe = types.ModuleType("probe")
+    probe.launch = lambda q, out, pools, bt, *rest, **kw: seen.append((q, bt))
+    fn = cache._bench("decode", (B, S), None, probe)
+    for _ in range(2 * COLD_FACTOR + 1):
+        fn()
+    tables = [bt for _, bt in seen]
+    assert len({id(t) for t in tables}) == COLD_FACTOR
+    assert all(tables[i] is tables[i % COLD_FACTOR] for i in range(len(tables)))
+    assert all(t.shape == (B, S // cache.page_size) for t in tables)
+    assert len({id(q) for q, _ in seen}) == 1
+    # another config of the same bucket shares the inputs (a fair comparison), starting from the first table
+    seen.clear()
+    cache._bench("decode", (B, S), {"tile": 16}, probe)()
+    assert seen[0][1] is tables[0]
+
+
+@pytest.mark.gpu
+def test_cycled_inputs_time_a_small_read_cold():
+    """The premise of cold_copies: a read that fits in L2 runs slower when cycled over cold copies than when
+    repeated on one buffer (graph timer both times)."""
+    _cuda()
+    size = max(1 << 20, kernel_timer.l2_bytes("cuda") // 8)
+    n = cold_copies(size, "cuda")
+    bufs = [torch.randn(size // 4, device="cuda") for _ in range(n)]
+    turn = iter(range(1 << 30))
+    warm = graph_time_ms(lambda: bufs[0].sum())
+    cold = graph_time_ms(lambda: bufs[next(turn) % n].sum())
+    assert n > 1 and cold > 1.15 * warm, (n, warm, cold)

@@ -20,7 +20,7 @@ No timing happens on the request path by default: tune ahead of time with
 :func:`tune` (``kvgen tune``). Winners are written to::
 
     <cache_dir>/autotune/<kernel hash>-<template tag>__<device slug>__triton-<version>.json
-    {"format": 2, "kernel_hash": ..., "device": ..., "triton": ...,
+    {"format": 3, "kernel_hash": ..., "device": ..., "triton": ...,
      "entries": {"decode/b8/s1024": {"config": {...}, "ms": 0.031, "candidates": 8, "seconds": 2.1},
                  "backend/decode/<digest>": {"backend": "cuda", "variants": {...}, "ms": {...}, "shapes": [...]}}}
 
@@ -64,7 +64,10 @@ from .autotune_model import MAX_CANDIDATES, model_config, ranked_candidates, val
 from .kernel_timer import graph_time_ms
 from .env import autotune_mode, cache_dir, triton_interpret
 
-FORMAT = 2
+FORMAT = 3
+"""3: timed on cold inputs (:func:`.kernel_timer.cold_copies`); files of earlier formats are not read (their
+warm timings favoured kernels that reuse L2 over ones a model's layer would run faster) and are replaced on
+the next save."""
 CHOICE_PREFIX = "backend/"
 """Entries under this prefix hold a backend choice (:mod:`.backend_choice`), not a bucket's winner."""
 BUDGET_S = 5.0

@@ -89,7 +89,7 @@ def _why_not_timed(tuner: Autotuner) -> str:
 
 
 def choose(tuner: Autotuner, op: str, variants: Mapping[str, tuple[ModuleType, str | None]], make_bench: Bench,
-           shapes: Iterable[tuple[int, ...]] = (), *, explicit: bool = False,
+           shapes: Iterable[tuple[int, ...]] = (), *, explicit: bool = False, decide: bool = False,
            release: Callable[[], Any] | None = None) -> BackendChoice:
     """The variant of ``op`` to run, among ``variants`` (backend -> (module, plan kernel hash or None), first =
     default); see the module docstring for when it times and what it persists.
@@ -97,6 +97,9 @@ def choose(tuner: Autotuner, op: str, variants: Mapping[str, tuple[ModuleType, s
     ``shapes``: shapes to decide at besides the op's tuned buckets.
     ``explicit``: decide anew by timing (``kvgen tune``, benchmarks), else
     reuse a remembered choice and time only where ``tuner.should_tune()``.
+    ``decide``: reuse a remembered choice, else time now wherever timing is
+    possible and tuning is on, whatever the autotune mode (an engine that
+    asked for ``auto`` at start-up: one decision, persisted).
     ``release()`` runs after each shape is timed (drops its synthetic inputs).
     """
     names = list(variants)
@@ -114,7 +117,7 @@ def choose(tuner: Autotuner, op: str, variants: Mapping[str, tuple[ModuleType, s
             entry = tuner.cached(ids[first]).get(key)
             if entry is not None and entry.get("backend") in variants:
                 return _remembered(tuner, op, variants, make_bench, entry, release)
-            if not tuner.should_tune():
+            if not (tuner.should_tune() or (decide and tuner.enabled and tuner.can_time())):
                 return BackendChoice(op, first, "first", f"{first}: {_why_not_timed(tuner)}")
         elif not tuner.can_time():
             return BackendChoice(op, first, "first", f"{first}: {_why_not_timed(tuner)}")

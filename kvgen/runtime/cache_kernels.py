@@ -13,6 +13,7 @@ the backend choice and warm-up).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
@@ -91,14 +92,32 @@ class KernelConfigMixin:
             return [(1, context), (max(1, int(self.plan.get("concurrency") or 1)), context)]
         return [(1, context, context)]
 
-    def _choose_backend(self, op: str, shapes=(), *, explicit: bool = False):
+    def choose_backend(self, op: str, shapes=(), *, retime: bool = False):
+        """Decide now which variant of ``op`` runs from here on, and return the
+        :class:`~.backend_choice.BackendChoice`.
+
+        A remembered choice is reused unless ``retime``; otherwise the variants
+        are timed at the plan's shapes, ``shapes`` and the op's tuned buckets,
+        whatever ``KVGEN_AUTOTUNE``'s mode (except ``off``), and the choice is
+        persisted. Where nothing can be timed (no CUDA device, the interpreter,
+        ``autotune=False``) the current choice stands. An op with one variant
+        keeps it. Call before capturing CUDA graphs over ``kernels[op]``; never raises
+        for a kernel that cannot run (it is skipped, with a warning).
+        """
+        if len(self.kernel_variants.get(op, {})) < 2:
+            from .backend_choice import BackendChoice
+            backend = self.kernel_backends.get(op, "triton")
+            return self.backend_choices.get(op) or BackendChoice(op, backend, "first", f"{backend}: the only {op} kernel")
+        return self._choose_backend(op, [*self._plan_shapes(op), *shapes], explicit=retime, decide=True)
+
+    def _choose_backend(self, op: str, shapes=(), *, explicit: bool = False, decide: bool = False):
         """Choose ``op``'s variant (:func:`.backend_choice.choose`) and run it from now on; returns the choice."""
         from .backend_choice import choose
 
         by_backend = self.kernel_variants[op]
         choice = choose(self.autotuner, op, {b: (m, self._variant_hash(op, b)) for b, m in by_backend.items()},
                         lambda module, shape: (lambda cfg: self._bench(op, shape, cfg, module)), shapes,
-                        explicit=explicit, release=lambda: self.__dict__.pop("_bench_inputs", None))
+                        explicit=explicit, decide=decide, release=lambda: self.__dict__.pop("_bench_inputs", None))
         self.kernels[op] = by_backend[choice.backend]
         self._hashes[op] = self._variant_hash(op, choice.backend)
         self.kernel_backends[op] = choice.backend
@@ -135,24 +154,35 @@ class KernelConfigMixin:
         the bucket's shape (reads only).
 
         The inputs are made on the device once per (op, bucket) and shared by
-        every candidate and variant of that bucket; whoever tunes drops them afterwards
+        every candidate and variant of that bucket; successive calls cycle
+        through :func:`.kernel_timer.cold_copies` block tables, so a bucket
+        smaller than L2 is timed cold, as a model's layer runs it; whoever tunes drops them afterwards
         (``_config``, ``autotune.tune``: ``self._bench_inputs``).
         """
         from .autotune import bucket
+        from .kernel_timer import cold_copies
+        from .pools import page_bytes
         B, S = bucket(shape[0]), bucket(shape[-1])
         Q = min(bucket(shape[1]), S) if op != "decode" else 1
+        dev, P = self.device, self.page_size
+        pages = -(-S // P)
+        nc = pages if self.residual_tokens is None else max(0, S // P - self.residual_tokens // P)
 
-        def inputs() -> dict[str, torch.Tensor]:
+        def table() -> torch.Tensor:
             # Random page ids (pages scattered as in a long-running server), drawn on the device.
-            dev, P = self.device, self.page_size
-            pages = -(-S // P)
-            nc = pages if self.residual_tokens is None else max(0, S // P - self.residual_tokens // P)
             bt = torch.randint(0, max(1, self.num_pages), (B, pages), dtype=torch.int32, device=dev)
             if self.residual_tokens is not None and pages > nc:
                 res = torch.randint(0, max(1, self.num_residual_pages), (B, pages), dtype=torch.int32, device=dev)
                 bt = torch.where(torch.arange(pages, device=dev)[None, :] >= nc, res, bt)
-            t = {"bt": bt, "seq_lens": torch.full((B,), S, dtype=torch.int32, device=dev),
-                 "ncomp": torch.full((B,), nc, dtype=torch.int32, device=dev)}
+            return bt
+
+        def inputs() -> dict[str, Any]:
+            # One block table per input set the timer cycles through (kernel_timer: each call finds its pages
+            # cold, as a model's layer does); the rest is small and shared.
+            copies = cold_copies(B * pages * page_bytes(self.pools[0]), dev)
+            t: dict[str, Any] = {"bts": [table() for _ in range(copies)],
+                                 "seq_lens": torch.full((B,), S, dtype=torch.int32, device=dev),
+                                 "ncomp": torch.full((B,), nc, dtype=torch.int32, device=dev)}
             rows = B if op == "decode" else B * Q
             t["q"] = torch.randn(rows, self.num_q_heads, self.head_dim, device=dev, dtype=self.dtype)
             t["out"] = torch.empty_like(t["q"])
@@ -169,9 +199,11 @@ class KernelConfigMixin:
         t = memo[1]
         pools = self.pools[0]
         mod = module if module is not None else self.kernels[op]
+        tables, turn = t["bts"], itertools.count()
         if op == "decode":
-            return lambda: mod.launch(t["q"], t["out"], pools, t["bt"], t["seq_lens"], t["ncomp"], self.sm_scale,
-                                      config=config)
+            return lambda: mod.launch(t["q"], t["out"], pools, tables[next(turn) % len(tables)], t["seq_lens"],
+                                      t["ncomp"], self.sm_scale, config=config)
         # The chunk's own K/V fresh, as prefill(layer, q, k, v) -- the usual call -- runs the kernel.
-        return lambda: mod.launch(t["q"], t["out"], pools, t["bt"], t["seq_lens"], t["ncomp"], t["cu"], Q,
+        return lambda: mod.launch(t["q"], t["out"], pools, tables[next(turn) % len(tables)], t["seq_lens"],
+                                  t["ncomp"], t["cu"], Q,
                                   self.sm_scale, config=config, k_new=t["k_new"], v_new=t["v_new"])

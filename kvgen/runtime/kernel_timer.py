@@ -10,10 +10,16 @@ tuner's pick is noise. Measured on an H200 (benchmarks/results/
 pick decoded in 30.0 us per layer where the fastest candidate took 25.8; the
 engine replays its decode steps from CUDA graphs, which is what this measures.
 
-The calls run on the inputs ``fn`` closes over, so data that fits in L2 stays
-there between calls (do_bench flushed it); all candidates of a bucket share
-the inputs, so the comparison is fair, if optimistic for small buckets.
-``fn`` must be capturable (no host synchronization); where capture fails the
+Data that fits in L2 would stay there between back-to-back calls, while in
+a model every layer's attention finds its KV cold (the other layers'
+weights and KV passed through L2 since its last step). So a bench cycles
+through :func:`cold_copies` distinct inputs (the runtime's synthetic block
+tables, each a fresh draw of random pages): between two uses of one, about
+``COLD_FACTOR`` L2 caches' worth of other pages are read. Measured on an
+H200 (2026-12-02, benchmarks/results/2026-12-02-nvidia-h200-5): on warm
+inputs the CUDA bf16 decode at the 64-dim anchor timed 0.0388 ms against
+Triton's 0.0406 and was chosen, yet ran at 1.12x SDPA under do_bench's
+cold L2 where Triton ran at 1.00-1.04x. ``fn`` must be capturable (no host synchronization); where capture fails the
 timer falls back to do_bench. Off CUDA (the interpreter) it is do_bench too.
 """
 
@@ -28,6 +34,27 @@ TARGET_MS = 1.0
 MAX_CALLS = 200
 REPLAYS = 11
 LONG_REPLAYS = 3
+COLD_FACTOR = 3
+"""Between two uses of one input set, the timed calls read at least this many L2 caches' worth of others."""
+MAX_COLD_COPIES = 64
+
+
+def l2_bytes(device: torch.device | str) -> int:
+    """The L2 cache's size in bytes on a CUDA ``device``; 0 elsewhere (nothing to keep cold)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
+
+
+def cold_copies(working_set_bytes: int, device: torch.device | str) -> int:
+    """How many distinct input sets, each reading ``working_set_bytes``, timed calls should cycle through so
+    that none is still in L2 when it comes round again: ``ceil(COLD_FACTOR * L2 / working set)``, at least 1
+    (a working set of three L2s or more is cold by itself), at most ``MAX_COLD_COPIES``."""
+    l2 = l2_bytes(device)
+    if l2 <= 0 or working_set_bytes <= 0:
+        return 1
+    return max(1, min(MAX_COLD_COPIES, -(-COLD_FACTOR * l2 // int(working_set_bytes))))
 
 
 def do_bench_ms(fn: Callable[[], Any]) -> float:
