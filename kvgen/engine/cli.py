@@ -49,8 +49,10 @@ def add_speed_args(p: argparse.ArgumentParser) -> None:
                    help="plan each decode step while the device runs the one before (faster steps on a GPU; "
                         "not with --tp above 1 or --host-tokens)")
     p.add_argument("--backend", default="triton", choices=ENGINE_BACKENDS,
-                   help="kernel language, as in 'kvgen compile': triton (default) or cuda (the CUDA decode kernel "
-                        "where the scheme has one: faster int8/fp8/int4/int2 KV on a GPU; needs nvcc once, to build it)")
+                   help="kernel language, as in 'kvgen compile': triton (default), cuda (the CUDA decode kernel "
+                        "where the scheme has one: faster int8/fp8/int4/int2 KV on a GPU; needs nvcc once, to build "
+                        "it) or auto (both; the decode kernel that times faster on this GPU runs, timed once at start "
+                        "and remembered; triton off a GPU)")
 
 
 def host_tokens_arg(text: str) -> int | str:

@@ -15,10 +15,12 @@ from typing import Any
 
 from .errors import EngineError
 
-ENGINE_BACKENDS = ("triton", "cuda")
-"""The kernel languages the engine runs (``kernel_backend``, ``--backend``). A ``kvgen compile --backend auto``
-package holds both and its runtime picks per op from timings (``kvgen tune``, or ``KVGEN_AUTOTUNE=sync`` at load;
-Triton until then); the engine asks for one by name, so its plan summary and its graphs say what runs."""
+ENGINE_BACKENDS = ("triton", "cuda", "auto")
+"""The kernel languages the engine runs (``kernel_backend``, ``--backend``): ``triton``, ``cuda`` (the CUDA decode
+kernel where the scheme has one), or ``auto``: the package holds both, and at start the engine asks the runtime to
+decide the decode kernel by timing them (``cache.choose_backend``), once per GPU and kernel, persisted beside the
+tuned configs (later starts reuse it), before any CUDA graph is captured. On a non-CUDA device ``auto`` means
+``triton``: nothing is built with nvcc."""
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")

@@ -76,15 +76,34 @@ def _eos_ids(folder: Path | None, cfg: ModelConfig, tokenizer: Any) -> set[int]:
     return ids
 
 
-def check_kernel_backend(backend: str, device: torch.device) -> None:
-    """EngineError unless the engine can run ``backend``'s kernels on ``device``."""
+def check_kernel_backend(backend: str, device: torch.device) -> str:
+    """EngineError unless the engine can run ``backend``'s kernels on ``device``; returns the backend to compile.
+
+    ``auto`` on a non-CUDA device is ``triton`` (its CUDA variant could not run there: nothing is built with nvcc).
+    """
     if backend not in ENGINE_BACKENDS:
-        raise EngineError(f"kernel backend must be {' or '.join(ENGINE_BACKENDS)}, got {backend!r}"
-                          + (" (the engine runs the one named; kvgen compile --backend auto with kvgen tune lets "
-                             "the runtime time both)" if backend == "auto" else ""))
-    if backend != "triton" and device.type != "cuda":
+        raise EngineError(f"kernel backend must be {', '.join(ENGINE_BACKENDS[:-1])} or {ENGINE_BACKENDS[-1]}, "
+                          f"got {backend!r}")
+    if device.type == "cuda":
+        return backend
+    if backend == "cuda":
         raise EngineError(f"the {backend} kernel backend runs CUDA kernels; the engine is on {device}: use "
                           "--backend triton there (the default)")
+    return "triton"
+
+
+def decide_decode_kernel(cache: Any, autotune: bool) -> Any:
+    """The decode kernel an ``auto`` package's ``cache`` runs from now on, and why (a BackendChoice).
+
+    With ``autotune`` the runtime decides now (``cache.choose_backend``: a
+    remembered choice, else the variants timed at the plan's shapes, and
+    persisted); without, the choice the cache made at load stands (the
+    runtime would not time them either). Call it before any CUDA graph is
+    captured over ``cache.kernels["decode"]``.
+    """
+    if autotune or "decode" not in cache.backend_choices:  # one decode variant: nothing to time, it says so
+        return cache.choose_backend("decode")
+    return cache.backend_choices["decode"]
 
 
 def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: Any = None,
@@ -123,10 +142,13 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     each steady decode step while the device runs the previous one (a
     one-step lag, as vLLM V1's; see :attr:`LLMEngine.async_scheduling`);
     needs ``tp=1`` and no host tier (EngineError otherwise, before anything loads).
-    ``kernel_backend``: the kernels' language, as ``kvgen compile --backend``: ``triton`` (default) or
+    ``kernel_backend``: the kernels' language, as ``kvgen compile --backend``: ``triton`` (default),
     ``cuda`` (the CUDA decode kernel wherever the scheme's CUDA macros serve the spec: int8, fp8, KIVI int4 and
     int2, 16-bit pages at the head dims they tile; Triton for every other op and spec, said in the summary line
-    when verbose). cuda needs a CUDA device (EngineError otherwise, before anything loads).
+    when verbose) or ``auto``: the package holds both and, before graphs are captured, the runtime decides which
+    decode kernel runs by timing them at the plan's shapes (with ``autotune``; once per GPU and kernel, persisted,
+    reused by later starts; the summary says which and why; every tp rank runs rank 0's choice). cuda needs a
+    CUDA device (EngineError otherwise, before anything loads); auto off a CUDA device is triton.
     """
     from kvgen.integrations.transformers import compile_for_model, plan_for_model
     from kvgen.runtime import default_device
@@ -153,7 +175,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     weights_source = gguf_path or folder  # what load_weights reads: a safetensors folder or a GGUF file
     dev = torch.device(device) if device is not None else default_device()
     dev = check_tp(tp, dev)
-    check_kernel_backend(kernel_backend, dev)
+    kernel_backend = check_kernel_backend(kernel_backend, dev)
     if async_scheduling:  # refused before anything loads (the engine would refuse it after)
         runner_type = ModelRunner
         if tp != 1:
@@ -185,6 +207,9 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     tier = host_tier_args(host_tokens, staging_tokens, preemption_mode)
     cache = package.load(device=dev, max_tokens=max_tokens, autotune=autotune, max_seqs=cache_seqs, tp_rank=0,
                          tp_size=tp, **tier)
+    # auto: decide the decode kernel now, before DecodeGraphs capture cache.kernels["decode"] and before the tp
+    # ranks load (they run rank 0's choice)
+    decode_choice = decide_decode_kernel(cache, autotune) if kernel_backend == "auto" else None
     capacity = cache.capacity_tokens
     if max_model_len is None:
         max_model_len = min(limit, capacity)
@@ -214,6 +239,8 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
             for note in compile_notes:
                 if note.startswith("decode ") or "nvcc" in note:
                     print(f"kvgen: {note}", file=sys.stderr)
+        if decode_choice is not None:
+            print(f"kvgen: decode kernel: {decode_choice.why}", file=sys.stderr)
     if tp > 1:
         from .parallel import RankSpec, start_ranks
 
@@ -221,7 +248,8 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
                         cfg=cfg, plan=plan, folder=None if weights_source is None else str(weights_source), seed=seed,
                         dtype=torch_dtype, max_tokens=max_tokens, cache_seqs=cache_seqs, autotune=autotune,
                         max_model_len=max_model_len, max_num_seqs=max_num_seqs, use_graphs=use_graphs,
-                        host_tier=tier, kernel_backend=kernel_backend)
+                        host_tier=tier, kernel_backend=kernel_backend,
+                        kernel_choice=dict(cache.kernel_backends) if kernel_backend == "auto" else None)
         runner, cache = start_ranks(spec, cache, verbose)
     else:
         net = build_model(cfg, max_model_len, dev, torch_dtype)

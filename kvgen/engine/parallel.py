@@ -76,6 +76,7 @@ class RankSpec:
     use_graphs: bool
     host_tier: dict | None = None  # the runtime load's host_tokens/staging_tokens ({} or None: no host tier)
     kernel_backend: str = "triton"  # the package's kernel language (rank 0 compiled it: the ranks import it)
+    kernel_choice: dict | None = None  # an auto package: op -> the backend rank 0 runs (see load_cache)
 
 
 def step_fingerprint(step: Any) -> tuple:
@@ -308,8 +309,18 @@ def load_cache(spec: RankSpec, rank: int) -> Any:
     from kvgen.integrations.transformers import compile_for_model
 
     package = compile_for_model(spec.plan, spec.kernel_backend)  # rank 0 compiled it already: an import
-    return package.load(device=rank_device(spec, rank), max_tokens=spec.max_tokens, autotune=spec.autotune,
-                        max_seqs=spec.cache_seqs, tp_rank=rank, tp_size=spec.world, **(spec.host_tier or {}))
+    kwargs = dict(device=rank_device(spec, rank), max_tokens=spec.max_tokens, autotune=spec.autotune,
+                  max_seqs=spec.cache_seqs, tp_rank=rank, tp_size=spec.world, **(spec.host_tier or {}))
+    if spec.kernel_choice is None:
+        return package.load(**kwargs)
+    # An auto package: every rank runs the kernels rank 0 decided (timed on cuda:0 before the workers started),
+    # not a choice of its own: a rank deciding alone (its own near-tie timings; no persisted choice where a
+    # variant failed on rank 0) could run the other kernel, and then what rank 0 reports and its timing chose
+    # would not be what runs (every step waits for the slowest rank). The same auto package with each op's
+    # variant pinned, not the package of the decided backend: that one is not compiled (every worker would
+    # compile it at once, a CUDA one with nvcc).
+    kernels = {op: package.KERNEL_VARIANTS[op][backend] for op, backend in spec.kernel_choice.items()}
+    return package.runtime.load(package.PLAN, kernels, **kwargs)
 
 
 def rank_model(spec: RankSpec, rank: int, cache: Any) -> Any:
