@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import math
 import re
@@ -197,6 +198,7 @@ def runtime_choice(tuner, name, shapes, Hq, Hkv, D):
     DecodeCase (one at a time). Returns ``(BackendChoice, {backend: module})``.
     """
     from kvgen.runtime.backend_choice import choose
+    from kvgen.runtime.kernel_timer import cold_page_tables
 
     G, sm = Hq // Hkv, 1 / math.sqrt(D)
     modules = {}
@@ -210,10 +212,20 @@ def runtime_choice(tuner, name, shapes, Hq, Hkv, D):
             memo.clear()
             torch.cuda.empty_cache()
             case = DecodeCase(scheme, B, L, Hq, Hkv, D)
-            memo.update(shape=(B, L), case=case, out=torch.empty_like(case.q))
-        case, out = memo["case"], memo["out"]
-        return lambda cfg: (lambda: mod.launch(case.q, out, case.pools, case.block_tables, case.seq_lens,
-                                               case.num_compressed, sm, cfg))
+            # timed cold, as the runtime's own bench does (kernel_timer.cold_page_tables)
+            pools, tables = cold_page_tables(case.pools, B, case.block_tables.shape[1], int(case.num_compressed[0]))
+            memo.update(shape=(B, L), case=case, out=torch.empty_like(case.q), pools=pools, tables=tables)
+        case, out, pools, tables = memo["case"], memo["out"], memo["pools"], memo["tables"]
+
+        def make(cfg):
+            turn = itertools.count()
+
+            def call():
+                return mod.launch(case.q, out, pools, tables[next(turn) % len(tables)], case.seq_lens,
+                                  case.num_compressed, sm, cfg)
+            call.cycle = len(tables)
+            return call
+        return make
 
     choice = choose(tuner, "decode", {be: (m, None) for be, m in modules.items()}, make_bench,
                     [(B, L) for B, L, *_ in shapes], explicit=True, release=memo.clear)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,29 @@ def test_kvcache_plans_with_tuned_configs(tmp_path):
     kernels = cache.kernels
     assert t.path(t.identity(kernels["decode"], "deadbeefdeadbeef")).exists()
     assert t.path(t.identity(kernels["prefill"], "0123456789abcdef")).exists()
+
+
+def test_files_of_an_earlier_format_are_left_alone_and_said_once(tmp_path):
+    """A format-2 file (its name has no format suffix) is neither read nor overwritten; the first lookup that
+    finds one warns once (kvgen tune must run again); the new file carries the format in its name."""
+    import kvgen.runtime.autotune as at
+
+    t = tuner(tmp_path)
+    ident = t.identity(fake_module(), "feedfacefeedface")
+    new = t.path(ident)
+    assert new.name.endswith(f"__f{at.FORMAT}.json")
+    old = new.with_name(new.name.replace(f"__f{at.FORMAT}.json", ".json"))
+    old.parent.mkdir(parents=True, exist_ok=True)
+    legacy = json.dumps({"format": 2, "kernel_hash": ident, "device": t.device_name, "triton": t.triton_version,
+                         "entries": {"decode/b4/s256": {"config": {"tile": 16, "warps": 4}, "ms": 0.001}}})
+    old.write_text(legacy)
+    at._WARNED.discard(f"<outdated {t.root()}>")
+    timer = Timer()
+    t = tuner(tmp_path, timer)
+    with pytest.warns(RuntimeWarning, match="earlier kvgen .* run kvgen tune again"):
+        assert t.config("decode", fake_module(), (4, 256), bench, kernel_hash="feedfacefeedface") == {"tile": 32,
+                                                                                                      "warps": 8}
+    assert timer.calls == 6 and old.read_text() == legacy and new.is_file()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tuner(tmp_path, Timer()).config("decode", fake_module(), (8, 256), bench, kernel_hash="feedfacefeedface")

@@ -265,3 +265,37 @@ def test_choose_backend_decides_now_in_cached_mode_and_persists(tmp_path, monkey
     monkeypatch.setattr(off, "can_time", lambda: True)
     untuned = _load(_plan(), fresh, fresh_variants, off)
     assert untuned.choose_backend("decode").origin == "first" and untuned.kernels["decode"] is fresh["decode"]
+
+
+def test_choose_backend_never_times_with_tuning_off_and_keeps_what_runs(tmp_path, monkeypatch):
+    """retime=True with autotune=False times nothing and writes nothing; where nothing can be timed a
+    remembered (non-first) choice keeps running; an op the cache has no kernel for is refused."""
+    from kvgen.runtime.errors import KvgenRuntimeError
+
+    log: list = []
+    kernels, variants, cuda = _kernels("keep", log, -0.05)
+    timed = _load(_plan(), kernels, variants, _tuner(tmp_path))  # force: times at load, remembers cuda
+    assert timed.kernel_backends["decode"] == "cuda"
+
+    off = _tuner(tmp_path, force=False, mode="cached", enabled=False)
+    monkeypatch.setattr(off, "can_time", lambda: True)
+    cache = _load(_plan(), kernels, variants, off)
+    before = dict(cache.backend_choices)
+    files = sorted(p.read_text() for p in tmp_path.glob("*.json"))
+    log.clear()
+    choice = cache.choose_backend("decode", retime=True)
+    assert not log and sorted(p.read_text() for p in tmp_path.glob("*.json")) == files  # nothing ran or was saved
+    assert cache.kernels["decode"] is variants["decode"][choice.backend]
+    assert choice is before["decode"] or choice.origin == "first"
+
+    # a remembered cuda choice, then a retime where nothing can be timed: cuda keeps running
+    cached = _tuner(tmp_path, force=False, mode="cached")
+    monkeypatch.setattr(cached, "can_time", lambda: True)
+    again = _load(_plan(), kernels, variants, cached)
+    assert again.backend_choices["decode"].origin == "remembered" and again.kernels["decode"] is cuda
+    monkeypatch.setattr(cached, "can_time", lambda: False)
+    kept = again.choose_backend("decode", retime=True)
+    assert kept.origin == "remembered" and again.kernels["decode"] is cuda and again.kernel_backends["decode"] == "cuda"
+
+    with pytest.raises(KvgenRuntimeError, match="no 'decoed' kernel"):
+        again.choose_backend("decoed")

@@ -66,9 +66,10 @@ def test_cold_copies_cover_a_few_l2_caches(monkeypatch):
     assert cold_copies(1, "cuda") == MAX_COLD_COPIES and cold_copies(0, "cuda") == 1
 
 
-def test_the_runtime_bench_cycles_through_distinct_block_tables(tmp_path, monkeypatch):
-    """KVCache._bench: successive calls read different random pages (one table per cold copy, in turn); the
-    same table comes back only after the others, and every other input is shared."""
+def test_the_runtime_bench_cycles_through_disjoint_cold_page_sets(tmp_path, monkeypatch):
+    """KVCache._bench: successive calls read disjoint sets of random pages (one table per cold copy, in turn,
+    in a scratch pool of the cache's layout: the cache's own pool may be too small to keep them apart); the
+    same table comes back only after the others; every other input is shared, also with other configs."""
     from kvgen.runtime.pools import page_bytes
     from test_backend_choice import _kernels, _load, _plan, _tuner
 
@@ -76,23 +77,89 @@ def test_the_runtime_bench_cycles_through_distinct_block_tables(tmp_path, monkey
     cache = _load(_plan(), kernels, variants, _tuner(tmp_path))
     cache.__dict__.pop("_bench_inputs", None)
     B, S = 2, 1024
-    one_set = B * (-(-S // cache.page_size)) * page_bytes(cache.pools[0])
+    pages = S // cache.page_size
+    one_set = B * pages * page_bytes(cache.pools[0])
     monkeypatch.setattr(kernel_timer, "l2_bytes", lambda device: one_set)  # -> COLD_FACTOR tables
     seen = []
     probe = types.ModuleType("probe")
-    probe.launch = lambda q, out, pools, bt, *rest, **kw: seen.append((q, bt))
+    probe.launch = lambda q, out, pools, bt, *rest, **kw: seen.append((q, pools, bt))
     fn = cache._bench("decode", (B, S), None, probe)
+    assert fn.cycle == COLD_FACTOR
     for _ in range(2 * COLD_FACTOR + 1):
         fn()
-    tables = [bt for _, bt in seen]
+    tables = [bt for *_, bt in seen]
     assert len({id(t) for t in tables}) == COLD_FACTOR
     assert all(tables[i] is tables[i % COLD_FACTOR] for i in range(len(tables)))
-    assert all(t.shape == (B, S // cache.page_size) for t in tables)
-    assert len({id(q) for q, _ in seen}) == 1
+    assert all(t.shape == (B, pages) for t in tables)
+    scratch = seen[0][1]
+    assert all(p is scratch for _, p, _ in seen) and scratch is not cache.pools[0]
+    assert set(scratch) == set(cache.pools[0]) and all(scratch[n].shape[0] == COLD_FACTOR * B * pages for n in scratch)
+    assert len({id(q) for q, _, _ in seen}) == 1
     # another config of the same bucket shares the inputs (a fair comparison), starting from the first table
     seen.clear()
     cache._bench("decode", (B, S), {"tile": 16}, probe)()
-    assert seen[0][1] is tables[0]
+    assert seen[0][2] is tables[0]
+
+
+def _pool(pages: int, residual_pages: int = 0, D: int = 8, H: int = 2) -> dict:
+    pool = {"k": torch.zeros(pages, H, 16, D // 2, dtype=torch.uint8), "v": torch.zeros(pages, H, 16, D // 2,
+                                                                                      dtype=torch.uint8),
+            "ks": torch.zeros(pages, H, 2, D, dtype=torch.float16)}
+    if residual_pages:
+        pool["rk"] = torch.zeros(residual_pages, H, 16, D, dtype=torch.float16)
+        pool["rv"] = torch.zeros(residual_pages, H, 16, D, dtype=torch.float16)
+    return pool
+
+
+def test_cold_page_tables_are_disjoint_and_count_residual_pages_at_their_own_size(monkeypatch):
+    """cold_page_tables: the working set weighs compressed and residual pages by their own bytes (a residual
+    scheme's rk/rv rows are not part of every page); copies hold disjoint pages, compressed entries first; a
+    call that reads no pages (a prefill with no cached prefix), or one of three L2s, keeps the caller's pool."""
+    from kvgen.runtime.kernel_timer import cold_page_tables
+
+    pool = _pool(64, 16)
+    comp = 2 * (16 * 4 + 16 * 4) + 2 * 2 * 8 * 2  # bytes of one compressed page (2 heads), rk/rv excluded
+    res = 2 * 2 * 16 * 8 * 2
+    B, pages, nc = 2, 8, 6
+    ws = B * (nc * comp + (pages - nc) * res)
+    l2 = {"n": ws}
+    monkeypatch.setattr(kernel_timer, "l2_bytes", lambda device: l2["n"])
+    scratch, tables = cold_page_tables(pool, B, pages, nc)
+    assert len(tables) == COLD_FACTOR and scratch is not pool
+    assert scratch["k"].shape[0] == COLD_FACTOR * B * nc and scratch["rk"].shape[0] == COLD_FACTOR * B * (pages - nc)
+    comp_ids = torch.cat([t[:, :nc].flatten() for t in tables])
+    res_ids = torch.cat([t[:, nc:].flatten() for t in tables])
+    assert comp_ids.unique().numel() == comp_ids.numel() and res_ids.unique().numel() == res_ids.numel()
+    assert int(comp_ids.max()) < scratch["k"].shape[0] and int(res_ids.max()) < scratch["rk"].shape[0]
+    # one L2 three times over: cold by itself, on the caller's pool, distinct pages
+    l2["n"] = ws // COLD_FACTOR
+    same, (table,) = cold_page_tables(pool, B, pages, nc)
+    assert same is pool and table[:, :nc].unique().numel() == B * nc
+    # a prefill whose pages are all its own chunk (read_pages=0): nothing to keep cold
+    l2["n"] = 10 * ws
+    same, (table,) = cold_page_tables(pool, B, pages, nc, read_pages=0)
+    assert same is pool and table.shape == (B, pages)
+    # without a residual pool every entry is compressed
+    scratch, tables = cold_page_tables(_pool(64), B, pages, nc)
+    ids = torch.cat([t.flatten() for t in tables])
+    assert set(scratch) == {"k", "v", "ks"} and scratch["k"].shape[0] == len(tables) * B * pages
+    assert ids.unique().numel() == ids.numel() == scratch["k"].shape[0] and tables[0].shape == (B, pages)
+
+
+@pytest.mark.gpu
+def test_the_graph_holds_whole_turns_of_a_cycle():
+    """graph_time_ms captures a multiple of fn.cycle calls (each input set equally often)."""
+    _cuda()
+    x = torch.zeros(1, device="cuda")
+    made = []
+
+    def fn():
+        made.append(1)
+        x.add_(1.0)
+    fn.cycle = 7
+    graph_time_ms(fn)
+    captured = len(made) - 3  # two warm-up calls and one timed call precede the capture
+    assert captured >= 7 and captured % 7 == 0, captured
 
 
 @pytest.mark.gpu
@@ -100,7 +167,7 @@ def test_cycled_inputs_time_a_small_read_cold():
     """The premise of cold_copies: a read that fits in L2 runs slower when cycled over cold copies than when
     repeated on one buffer (graph timer both times)."""
     _cuda()
-    size = max(1 << 20, kernel_timer.l2_bytes("cuda") // 8)
+    size = max(1 << 20, kernel_timer.l2_bytes("cuda") // 2)
     n = cold_copies(size, "cuda")
     bufs = [torch.randn(size // 4, device="cuda") for _ in range(n)]
     turn = iter(range(1 << 30))

@@ -19,7 +19,7 @@ power of two) :meth:`Autotuner.config` returns, in this order:
 No timing happens on the request path by default: tune ahead of time with
 :func:`tune` (``kvgen tune``). Winners are written to::
 
-    <cache_dir>/autotune/<kernel hash>-<template tag>__<device slug>__triton-<version>.json
+    <cache_dir>/autotune/<kernel hash>-<template tag>__<device slug>__triton-<version>__f<FORMAT>.json
     {"format": 3, "kernel_hash": ..., "device": ..., "triton": ...,
      "entries": {"decode/b8/s1024": {"config": {...}, "ms": 0.031, "candidates": 8, "seconds": 2.1},
                  "backend/decode/<digest>": {"backend": "cuda", "variants": {...}, "ms": {...}, "shapes": [...]}}}
@@ -31,8 +31,11 @@ variant re-decides (see :mod:`.backend_choice`).
 
 The file name is the key: the KernelSpec hash, the template hash of the
 generated module (its ``# template-hash:`` header; a module without one is
-keyed by its source), the device name and the Triton version, so an upgrade
-of the templates never reuses a stale winner. Writes are atomic (temp file +
+keyed by its source), the device name, the Triton version and the file
+format, so an upgrade of the templates never reuses a stale winner, and a
+package with an older runtime (its own copy) never overwrites a newer
+one's file. A file of an earlier format is left alone and not read; the
+first lookup that finds one says once that ``kvgen tune`` must run again. Writes are atomic (temp file +
 ``os.replace``) under an ``fcntl.flock`` on a sibling lock file and merge
 with whatever another process wrote meanwhile. A file that does not parse is
 ignored and rewritten by the next save. A cache directory that cannot be
@@ -65,9 +68,9 @@ from .kernel_timer import graph_time_ms
 from .env import autotune_mode, cache_dir, triton_interpret
 
 FORMAT = 3
-"""3: timed on cold inputs (:func:`.kernel_timer.cold_copies`); files of earlier formats are not read (their
-warm timings favoured kernels that reuse L2 over ones a model's layer would run faster) and are replaced on
-the next save."""
+"""3: timed on cold inputs (:func:`.kernel_timer.cold_page_tables`), and the format in the file name. Files of
+earlier formats (no ``__f`` suffix) are not read: their warm timings favoured kernels that reuse L2 over
+ones a model's layer runs faster."""
 CHOICE_PREFIX = "backend/"
 """Entries under this prefix hold a backend choice (:mod:`.backend_choice`), not a bucket's winner."""
 BUDGET_S = 5.0
@@ -265,7 +268,18 @@ class Autotuner:
         return (self.directory if self.directory is not None else cache_dir()) / "autotune"
 
     def path(self, khash: str) -> Path:
-        return self.root() / f"{khash}__{_slug(self.device_name)}__triton-{_slug(self.triton_version)}.json"
+        return self.root() / f"{self._stem(khash)}__f{FORMAT}.json"
+
+    def _stem(self, khash: str) -> str:
+        return f"{khash}__{_slug(self.device_name)}__triton-{_slug(self.triton_version)}"
+
+    def _warn_if_outdated(self, khash: str) -> None:
+        # format 2 and before: the same name without the format suffix
+        old = self.root() / f"{self._stem(khash)}.json"
+        if old.is_file():
+            _warn_once(f"<outdated {self.root()}>",
+                       f"kvgen autotune: tuned configs under {self.root()} were timed by an earlier kvgen (on warm "
+                       f"inputs) and are not used; run kvgen tune again on this GPU (the old files are left as they are)")
 
     def identity(self, module: ModuleType, plan_hash: str | None = None) -> str:
         """``<KernelSpec hash>-<template tag>``: what a persisted winner is keyed by (memoized per module)."""
@@ -321,6 +335,8 @@ class Autotuner:
     def cached(self, khash: str) -> dict[str, Any]:
         if khash not in self._entries:
             self._entries[khash] = self._read(khash)
+            if not self._entries[khash]:
+                self._warn_if_outdated(khash)
         return self._entries[khash]
 
     # -- choosing ------------------------------------------------------------

@@ -19,7 +19,10 @@ the engine captures CUDA graphs over ``cache.kernels[op]``):
   without timing.
 
 When it times: ``kvgen tune`` (:func:`.autotune.tune`) always decides anew
-(``explicit``); at load only where the autotuner tunes on first use
+(``explicit``); ``KVCache.choose_backend`` (``decide``: an engine asked for
+``auto``, before it captures graphs) reuses a remembered choice and
+otherwise times now, in any mode but ``off`` and with tuning on; at load
+only where the autotuner tunes on first use
 (``KVGEN_AUTOTUNE=sync`` on a GPU), otherwise a remembered choice is used
 and, without one, the first variant (Triton) runs: on the CPU, under
 ``TRITON_INTERPRET``, with ``autotune=False``, in the default ``cached``
@@ -119,7 +122,7 @@ def choose(tuner: Autotuner, op: str, variants: Mapping[str, tuple[ModuleType, s
                 return _remembered(tuner, op, variants, make_bench, entry, release)
             if not (tuner.should_tune() or (decide and tuner.enabled and tuner.can_time())):
                 return BackendChoice(op, first, "first", f"{first}: {_why_not_timed(tuner)}")
-        elif not tuner.can_time():
+        elif not tuner.can_time() or (decide and not tuner.enabled):  # kvgen tune times even untuned caches
             return BackendChoice(op, first, "first", f"{first}: {_why_not_timed(tuner)}")
         return _decide(tuner, op, variants, make_bench, shapes, key, ids, release)
     except Exception as err:  # choosing must never fail a load: the first variant always exists

@@ -100,15 +100,23 @@ class KernelConfigMixin:
         are timed at the plan's shapes, ``shapes`` and the op's tuned buckets,
         whatever ``KVGEN_AUTOTUNE``'s mode (except ``off``), and the choice is
         persisted. Where nothing can be timed (no CUDA device, the interpreter,
-        ``autotune=False``) the current choice stands. An op with one variant
-        keeps it. Call before capturing CUDA graphs over ``kernels[op]``; never raises
-        for a kernel that cannot run (it is skipped, with a warning).
+        ``autotune=False``) what runs stays. An op with one variant keeps it;
+        an op the cache has no kernel for is a KvgenRuntimeError. Call before
+        capturing CUDA graphs over ``kernels[op]``; a variant that cannot run
+        is skipped with a warning, never raised.
         """
+        if op not in self.kernels:
+            raise KvgenRuntimeError(f"no {op!r} kernel to choose; this cache's ops: {', '.join(sorted(self.kernels))}")
         if len(self.kernel_variants.get(op, {})) < 2:
             from .backend_choice import BackendChoice
             backend = self.kernel_backends.get(op, "triton")
             return self.backend_choices.get(op) or BackendChoice(op, backend, "first", f"{backend}: the only {op} kernel")
-        return self._choose_backend(op, [*self._plan_shapes(op), *shapes], explicit=retime, decide=True)
+        before = self.backend_choices.get(op)
+        choice = self._choose_backend(op, [*self._plan_shapes(op), *shapes], explicit=retime, decide=True)
+        if choice.origin == "first" and before is not None and before.origin != "first":
+            self._use_choice(op, before)  # nothing was timed now: what ran (a remembered choice) stands
+            return before
+        return choice
 
     def _choose_backend(self, op: str, shapes=(), *, explicit: bool = False, decide: bool = False):
         """Choose ``op``'s variant (:func:`.backend_choice.choose`) and run it from now on; returns the choice."""
@@ -118,11 +126,14 @@ class KernelConfigMixin:
         choice = choose(self.autotuner, op, {b: (m, self._variant_hash(op, b)) for b, m in by_backend.items()},
                         lambda module, shape: (lambda cfg: self._bench(op, shape, cfg, module)), shapes,
                         explicit=explicit, decide=decide, release=lambda: self.__dict__.pop("_bench_inputs", None))
-        self.kernels[op] = by_backend[choice.backend]
+        self._use_choice(op, choice)
+        return choice
+
+    def _use_choice(self, op: str, choice) -> None:
+        self.kernels[op] = self.kernel_variants[op][choice.backend]
         self._hashes[op] = self._variant_hash(op, choice.backend)
         self.kernel_backends[op] = choice.backend
         self.backend_choices[op] = choice
-        return choice
 
     def _configs(self, step: StepMetadata) -> dict[str, Any]:
         # Host-only lookups (a remembered winner or the model's config; timing only with
@@ -154,33 +165,27 @@ class KernelConfigMixin:
         the bucket's shape (reads only).
 
         The inputs are made on the device once per (op, bucket) and shared by
-        every candidate and variant of that bucket; successive calls cycle
-        through :func:`.kernel_timer.cold_copies` block tables, so a bucket
-        smaller than L2 is timed cold, as a model's layer runs it; whoever tunes drops them afterwards
-        (``_config``, ``autotune.tune``: ``self._bench_inputs``).
+        every candidate and variant of that bucket; whoever tunes drops them
+        afterwards (``_config``, ``autotune.tune``: ``self._bench_inputs``).
+        Successive calls cycle through the block tables of
+        :func:`.kernel_timer.cold_page_tables` (``call.cycle`` of them), so a
+        bucket smaller than L2 is timed cold, as a model's layer runs it.
         """
         from .autotune import bucket
-        from .kernel_timer import cold_copies
-        from .pools import page_bytes
+        from .kernel_timer import cold_page_tables
         B, S = bucket(shape[0]), bucket(shape[-1])
         Q = min(bucket(shape[1]), S) if op != "decode" else 1
         dev, P = self.device, self.page_size
         pages = -(-S // P)
         nc = pages if self.residual_tokens is None else max(0, S // P - self.residual_tokens // P)
 
-        def table() -> torch.Tensor:
-            # Random page ids (pages scattered as in a long-running server), drawn on the device.
-            bt = torch.randint(0, max(1, self.num_pages), (B, pages), dtype=torch.int32, device=dev)
-            if self.residual_tokens is not None and pages > nc:
-                res = torch.randint(0, max(1, self.num_residual_pages), (B, pages), dtype=torch.int32, device=dev)
-                bt = torch.where(torch.arange(pages, device=dev)[None, :] >= nc, res, bt)
-            return bt
-
         def inputs() -> dict[str, Any]:
-            # One block table per input set the timer cycles through (kernel_timer: each call finds its pages
-            # cold, as a model's layer does); the rest is small and shared.
-            copies = cold_copies(B * pages * page_bytes(self.pools[0]), dev)
-            t: dict[str, Any] = {"bts": [table() for _ in range(copies)],
+            # Block tables of random pages, one per input set the timer cycles through (each call finds its pages
+            # cold, as a model's layer does; a prefill reads only its cached prefix from pages); the rest is
+            # small and shared.
+            read = pages if op == "decode" else -(-(S - Q) // P)
+            pools, tables = cold_page_tables(self.pools[0], B, pages, nc, read)
+            t: dict[str, Any] = {"pools": pools, "bts": tables,
                                  "seq_lens": torch.full((B,), S, dtype=torch.int32, device=dev),
                                  "ncomp": torch.full((B,), nc, dtype=torch.int32, device=dev)}
             rows = B if op == "decode" else B * Q
@@ -197,13 +202,18 @@ class KernelConfigMixin:
             memo = ((op, B, Q, S), inputs())
             self._bench_inputs = memo
         t = memo[1]
-        pools = self.pools[0]
+        pools = t["pools"]
         mod = module if module is not None else self.kernels[op]
         tables, turn = t["bts"], itertools.count()
         if op == "decode":
-            return lambda: mod.launch(t["q"], t["out"], pools, tables[next(turn) % len(tables)], t["seq_lens"],
-                                      t["ncomp"], self.sm_scale, config=config)
-        # The chunk's own K/V fresh, as prefill(layer, q, k, v) -- the usual call -- runs the kernel.
-        return lambda: mod.launch(t["q"], t["out"], pools, tables[next(turn) % len(tables)], t["seq_lens"],
-                                  t["ncomp"], t["cu"], Q,
-                                  self.sm_scale, config=config, k_new=t["k_new"], v_new=t["v_new"])
+            def call():
+                return mod.launch(t["q"], t["out"], pools, tables[next(turn) % len(tables)], t["seq_lens"],
+                                  t["ncomp"], self.sm_scale, config=config)
+        else:
+            def call():
+                # The chunk's own K/V fresh, as prefill(layer, q, k, v) -- the usual call -- runs the kernel.
+                return mod.launch(t["q"], t["out"], pools, tables[next(turn) % len(tables)], t["seq_lens"],
+                                  t["ncomp"], t["cu"], Q, self.sm_scale, config=config, k_new=t["k_new"],
+                                  v_new=t["v_new"])
+        call.cycle = len(tables)  # the timer captures whole turns (kernel_timer.graph_time_ms)
+        return call

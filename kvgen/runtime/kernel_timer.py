@@ -13,18 +13,24 @@ engine replays its decode steps from CUDA graphs, which is what this measures.
 Data that fits in L2 would stay there between back-to-back calls, while in
 a model every layer's attention finds its KV cold (the other layers'
 weights and KV passed through L2 since its last step). So a bench cycles
-through :func:`cold_copies` distinct inputs (the runtime's synthetic block
-tables, each a fresh draw of random pages): between two uses of one, about
-``COLD_FACTOR`` L2 caches' worth of other pages are read. Measured on an
+through the block tables of :func:`cold_page_tables` (disjoint sets of
+random pages, in a scratch pool where the caller's is too small to keep
+them apart) and says so (``fn.cycle``); the graph holds whole turns of
+them, so between two uses of one set about ``COLD_FACTOR`` L2 caches'
+worth of other pages are read. Measured on an
 H200 (2026-12-02, benchmarks/results/2026-12-02-nvidia-h200-5): on warm
 inputs the CUDA bf16 decode at the 64-dim anchor timed 0.0388 ms against
 Triton's 0.0406 and was chosen, yet ran at 1.12x SDPA under do_bench's
-cold L2 where Triton ran at 1.00-1.04x. ``fn`` must be capturable (no host synchronization); where capture fails the
-timer falls back to do_bench. Off CUDA (the interpreter) it is do_bench too.
+cold L2 where Triton ran at 1.00-1.04x.
+
+``fn`` must be capturable (no host synchronization); where capture fails
+the timer falls back to do_bench (which flushes L2 itself). Off CUDA (the interpreter) it is do_bench too.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -36,7 +42,9 @@ REPLAYS = 11
 LONG_REPLAYS = 3
 COLD_FACTOR = 3
 """Between two uses of one input set, the timed calls read at least this many L2 caches' worth of others."""
-MAX_COLD_COPIES = 64
+MAX_COLD_COPIES = MAX_CALLS
+RESIDUAL_TENSORS = ("rk", "rv")
+"""A residual scheme's compute-dtype page tensors in a layer's pool (the runtime's PagePool names them)."""
 
 
 def l2_bytes(device: torch.device | str) -> int:
@@ -55,6 +63,52 @@ def cold_copies(working_set_bytes: int, device: torch.device | str) -> int:
     if l2 <= 0 or working_set_bytes <= 0:
         return 1
     return max(1, min(MAX_COLD_COPIES, -(-COLD_FACTOR * l2 // int(working_set_bytes))))
+
+
+def _page_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    return sum(math.prod(t.shape[1:]) * t.element_size() for t in tensors.values())
+
+
+def _distinct_pages(n: int, num_pages: int, device: torch.device) -> torch.Tensor:
+    # n page ids of [0, num_pages), none twice where the pool has room (a repeat would hit L2 within a call)
+    if n <= num_pages:
+        return torch.randperm(num_pages, device=device)[:n].to(torch.int32)
+    return torch.randint(0, max(1, num_pages), (n,), dtype=torch.int32, device=device)
+
+
+def cold_page_tables(pool: Mapping[str, torch.Tensor], batch: int, pages: int, compressed: int,
+                     read_pages: int | None = None) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Block tables, and the pool they index, for timing a kernel that reads ``batch`` rows of ``pages`` pages
+    of ``pool`` (one layer's page tensors; the first ``compressed`` entries of a row point into its compressed
+    tensors, the rest into :data:`RESIDUAL_TENSORS`), each call finding its pages cold.
+
+    Returns ``(pools, tables)``: timed calls should take ``tables[i % len(tables)]`` in turn (and tell
+    :func:`graph_time_ms` so: ``fn.cycle = len(tables)``). Where one call reads three L2s or more (of
+    ``read_pages`` pages a row, default ``pages``: a prefill reads only its cached prefix) this is ``pool``
+    with one table of distinct random pages (repeats only where the pool is smaller than the call). Otherwise
+    the tables index a scratch pool of the same layout, zero-filled, holding :func:`cold_copies` disjoint sets
+    of pages: the pool a caller sized for one call (``kvgen tune``, a benchmark) could not keep them apart.
+    """
+    device = next(iter(pool.values())).device
+    comp = {n: t for n, t in pool.items() if n not in RESIDUAL_TENSORS}
+    res = {n: t for n, t in pool.items() if n in RESIDUAL_TENSORS}
+    compressed = min(compressed, pages) if res else pages
+    read = pages if read_pages is None else min(read_pages, pages)
+    read_comp = min(read, compressed)
+    ws = batch * (read_comp * _page_bytes(comp) + (read - read_comp) * _page_bytes(res))
+    copies = cold_copies(ws, device)
+    n_comp, n_res = batch * compressed, batch * (pages - compressed)
+    if copies > 1:
+        def scratch(tensors: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+            return {k: torch.zeros((max(1, n), *t.shape[1:]), dtype=t.dtype, device=device) for k, t in tensors.items()}
+        comp, res = scratch(comp, copies * n_comp), scratch(res, copies * n_res)
+        pool = {**comp, **res}
+    comp_rows = next(iter(comp.values())).shape[0]  # the pages the tables index (the scratch pool's, if one)
+    res_rows = next(iter(res.values())).shape[0] if res else 0
+    ids_c = _distinct_pages(copies * n_comp, comp_rows, device).view(copies, batch, compressed)
+    ids_r = _distinct_pages(copies * n_res, res_rows, device).view(copies, batch, pages - compressed)
+    tables = [torch.cat([ids_c[i], ids_r[i]], dim=1).contiguous() for i in range(copies)]
+    return pool, tables
 
 
 def do_bench_ms(fn: Callable[[], Any]) -> float:
@@ -83,6 +137,10 @@ def graph_time_ms(fn: Callable[[], Any]) -> float:
         end.synchronize()
         once = max(start.elapsed_time(end), 1e-3)
         calls = max(1, min(MAX_CALLS, int(TARGET_MS / once)))
+        # A whole number of turns through the input sets fn cycles over (cold_page_tables): every set used
+        # equally often, and between two uses of one all the others pass.
+        cycle = max(1, int(getattr(fn, "cycle", 1)))
+        calls = -(-max(calls, cycle) // cycle) * cycle
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             for _ in range(calls):
