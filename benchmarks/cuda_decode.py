@@ -50,14 +50,15 @@ def _compile(scheme, backend, B, L, Hq, Hkv, D, out_dir):
     return import_package(res.out_dir), time.perf_counter() - t0, res
 
 
-def _run_package(pkg, shape, seed, tune, tmp, label):
+def filled_cache(pkg, shape, seed, tune_dir):
+    """A one-layer cache of ``pkg`` on the GPU holding B sequences of L tokens of random K/V (one seed), a
+    decode step planned; returns ``(cache, q, autotune module)``. Its autotuner is in ``cached`` mode with
+    its files under ``tune_dir``."""
     import torch
-    from triton.testing import do_bench
 
     B, L, Hq, Hkv, D = shape
     rt = importlib.import_module(pkg.__name__ + ".runtime.autotune")
-    tuner = rt.Autotuner(torch.device("cuda"), mode="cached", directory=os.path.join(tmp, f"tune-{label}"),
-                         progress=False)
+    tuner = rt.Autotuner(torch.device("cuda"), mode="cached", directory=tune_dir, progress=False)
     cache = pkg.load(device="cuda", max_tokens=B * L + 4 * PAGE * B, num_layers=1, max_seqs=B, autotuner=tuner)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     ids = list(range(B))
@@ -70,6 +71,15 @@ def _run_package(pkg, shape, seed, tune, tmp, label):
     k1, v1 = kv(B), kv(B)
     cache.plan_step(ids, 1)
     cache.append_kv(0, None, k1, v1)
+    return cache, q, rt
+
+
+def _run_package(pkg, shape, seed, tune, tmp, label):
+    import torch
+    from triton.testing import do_bench
+
+    B, L = shape[:2]
+    cache, q, rt = filled_cache(pkg, shape, seed, os.path.join(tmp, f"tune-{label}"))
     out = cache.decode(0, q, None)
     torch.cuda.synchronize()
     rec = {"config": cache.step.configs.get("decode"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -156,6 +156,24 @@ if [ "$what" = recheck ]; then
   timeout 230 python3 -m benchmarks.engine --parts kvbound --no-hf --kv bf16,int4 --kernel-backend auto \
     --out "$OUT/engine_kvbound_auto.json" >"$OUT/engine_kvbound_auto.log" 2>&1
   echo "KV-bound (kernel_backend auto): exit $?"; grep '"kind"' "$OUT/engine_kvbound_auto.log" | cut -c1-300
+fi
+if [ "$what" = ncu ]; then
+  # About 6 minutes: Nsight Compute on one launch of each decode kernel at B=32, L=4096, 64/8 heads, D=128
+  # (issue 16: registers, occupancy, pipe utilization and warp stalls of every scheme that misses its goal).
+  # Each case is tuned first outside the profiler; KVGEN_NCU_CASES overrides the scheme:backend list.
+  command -v ncu >/dev/null || { echo "no ncu on this machine"; exit 0; }
+  sections=""; for s in SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats ComputeWorkloadAnalysis \
+    MemoryWorkloadAnalysis InstructionStats; do sections="$sections --section $s"; done
+  for case in ${KVGEN_NCU_CASES:-bf16:triton bf16:cuda int8:cuda fp8:cuda int4:cuda int2:cuda}; do
+    s=${case%%:*}; b=${case##*:}
+    timeout 90 python3 -m benchmarks.experiments.ncu_decode run --scheme "$s" --backend "$b" --work /tmp/kvgen-ncu \
+      --tune 2>&1 | tail -1
+    timeout 120 ncu --clock-control none --target-processes all -k 'regex:^_?decode_kernel' --launch-skip 2 \
+      --launch-count 1 $sections --csv --page raw python3 -m benchmarks.experiments.ncu_decode run --scheme "$s" \
+      --backend "$b" --work /tmp/kvgen-ncu >"$OUT/ncu-$s-$b.csv" 2>"$OUT/ncu-$s-$b.err"
+    echo "ncu $s $b: exit $?"; grep -v "^==PROF==" "$OUT/ncu-$s-$b.err" | tail -2
+  done
+  python3 -m benchmarks.experiments.ncu_decode summary "$OUT"/ncu-*.csv | tee "$OUT/ncu-summary.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"

@@ -1,0 +1,40 @@
+"""benchmarks.experiments.ncu_decode's summary of Nsight Compute's raw CSV (the GPU run is gpu_session.sh ncu)."""
+
+from __future__ import annotations
+
+from benchmarks.experiments.ncu_decode import main, read_raw, summarize
+
+HEADER = ['ID', 'Kernel Name', 'gpu__time_duration.sum', 'launch__registers_per_thread',
+          'sm__warps_active.avg.pct_of_peak_sustained_active', 'dram__throughput.avg.pct_of_peak_sustained_elapsed',
+          'sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active',
+          'sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active',
+          'sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active',
+          'smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio',
+          'smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio',
+          'smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio']
+UNITS = ['', '', 'usecond', 'register/thread', '%', '%', '%', '%', '%', 'ratio', 'ratio', 'ratio']
+ROW = ['0', 'decode_kernel<4, 3>', '96.35', '128', '21.4', '47.9', '33.5', '12.25', '40.1', '3.5', '1.25', '0.25']
+
+
+def _csv(rows) -> str:
+    return "\n".join(",".join(f'"{x}"' for x in r) for r in rows) + "\n"
+
+
+def test_summary_reads_the_raw_page_among_other_output(tmp_path, capsys):
+    path = tmp_path / "int4-cuda.csv"
+    path.write_text("==PROF== Connected to process 1\nint4 cuda: config {...}\n" + _csv([HEADER, UNITS, ROW])
+                    + "==PROF== Disconnected\n")
+    (row,) = read_raw(str(path))
+    assert row["Kernel Name"] == "decode_kernel<4, 3>"
+    text = summarize(str(path))
+    assert "time_us=96.35" in text and "regs=128" in text and "occ_achieved_%=21.4" in text and "dram_%=47.9" in text
+    # pipes busiest first; stalls largest first with their share of the total
+    assert text.index("lsu 40.1") < text.index("alu 33.5") < text.index("tensor_op_hmma 12.2")
+    assert "long_scoreboard 3.50 (70%)" in text and text.index("long_scoreboard") < text.index("mio_throttle")
+    assert main(["summary", str(path)]) == 0 and "decode_kernel<4, 3>" in capsys.readouterr().out
+
+
+def test_a_run_that_profiled_nothing_says_so(tmp_path):
+    path = tmp_path / "empty.csv"
+    path.write_text("==PROF== No kernels were profiled.\n")
+    assert read_raw(str(path)) == [] and "no kernel rows" in summarize(str(path))
