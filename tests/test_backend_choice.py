@@ -281,10 +281,10 @@ def test_choose_backend_never_times_with_tuning_off_and_keeps_what_runs(tmp_path
     monkeypatch.setattr(off, "can_time", lambda: True)
     cache = _load(_plan(), kernels, variants, off)
     before = dict(cache.backend_choices)
-    files = sorted(p.read_text() for p in tmp_path.glob("*.json"))
+    files = sorted(p.read_text() for p in tmp_path.rglob("*.json"))
     log.clear()
     choice = cache.choose_backend("decode", retime=True)
-    assert not log and sorted(p.read_text() for p in tmp_path.glob("*.json")) == files  # nothing ran or was saved
+    assert not log and sorted(p.read_text() for p in tmp_path.rglob("*.json")) == files  # nothing ran or was saved
     assert cache.kernels["decode"] is variants["decode"][choice.backend]
     assert choice is before["decode"] or choice.origin == "first"
 

@@ -60,9 +60,10 @@ def test_cold_copies_cover_a_few_l2_caches(monkeypatch):
     """Enough input sets that COLD_FACTOR L2s pass between two uses of one; none where there is no L2."""
     assert cold_copies(1 << 20, "cpu") == 1 and cold_copies(1 << 20, "meta") == 1
     monkeypatch.setattr(kernel_timer, "l2_bytes", lambda device: 50 << 20)
-    assert cold_copies(50 << 20, "cuda") == COLD_FACTOR
+    assert cold_copies(50 << 20, "cuda") == COLD_FACTOR + 1  # the other COLD_FACTOR pass between two uses
     assert cold_copies(COLD_FACTOR * (50 << 20), "cuda") == 1  # cold by itself
-    assert cold_copies(7 << 20, "cuda") == -(-COLD_FACTOR * 50 // 7)
+    assert cold_copies(COLD_FACTOR * (50 << 20) - 1, "cuda") == 3  # one other set would fall a byte short
+    assert cold_copies(7 << 20, "cuda") == -(-COLD_FACTOR * 50 // 7) + 1
     assert cold_copies(1, "cuda") == MAX_COLD_COPIES and cold_copies(0, "cuda") == 1
 
 
@@ -79,21 +80,22 @@ def test_the_runtime_bench_cycles_through_disjoint_cold_page_sets(tmp_path, monk
     B, S = 2, 1024
     pages = S // cache.page_size
     one_set = B * pages * page_bytes(cache.pools[0])
-    monkeypatch.setattr(kernel_timer, "l2_bytes", lambda device: one_set)  # -> COLD_FACTOR tables
+    monkeypatch.setattr(kernel_timer, "l2_bytes", lambda device: one_set)  # -> COLD_FACTOR + 1 tables
+    n = COLD_FACTOR + 1
     seen = []
     probe = types.ModuleType("probe")
     probe.launch = lambda q, out, pools, bt, *rest, **kw: seen.append((q, pools, bt))
     fn = cache._bench("decode", (B, S), None, probe)
-    assert fn.cycle == COLD_FACTOR
-    for _ in range(2 * COLD_FACTOR + 1):
+    assert fn.cycle == n
+    for _ in range(2 * n + 1):
         fn()
     tables = [bt for *_, bt in seen]
-    assert len({id(t) for t in tables}) == COLD_FACTOR
-    assert all(tables[i] is tables[i % COLD_FACTOR] for i in range(len(tables)))
+    assert len({id(t) for t in tables}) == n
+    assert all(tables[i] is tables[i % n] for i in range(len(tables)))
     assert all(t.shape == (B, pages) for t in tables)
     scratch = seen[0][1]
     assert all(p is scratch for _, p, _ in seen) and scratch is not cache.pools[0]
-    assert set(scratch) == set(cache.pools[0]) and all(scratch[n].shape[0] == COLD_FACTOR * B * pages for n in scratch)
+    assert set(scratch) == set(cache.pools[0]) and all(scratch[k].shape[0] == n * B * pages for k in scratch)
     assert len({id(q) for q, _, _ in seen}) == 1
     # another config of the same bucket shares the inputs (a fair comparison), starting from the first table
     seen.clear()
@@ -125,8 +127,9 @@ def test_cold_page_tables_are_disjoint_and_count_residual_pages_at_their_own_siz
     l2 = {"n": ws}
     monkeypatch.setattr(kernel_timer, "l2_bytes", lambda device: l2["n"])
     scratch, tables = cold_page_tables(pool, B, pages, nc)
-    assert len(tables) == COLD_FACTOR and scratch is not pool
-    assert scratch["k"].shape[0] == COLD_FACTOR * B * nc and scratch["rk"].shape[0] == COLD_FACTOR * B * (pages - nc)
+    n = COLD_FACTOR + 1
+    assert len(tables) == n and scratch is not pool
+    assert scratch["k"].shape[0] == n * B * nc and scratch["rk"].shape[0] == n * B * (pages - nc)
     comp_ids = torch.cat([t[:, :nc].flatten() for t in tables])
     res_ids = torch.cat([t[:, nc:].flatten() for t in tables])
     assert comp_ids.unique().numel() == comp_ids.numel() and res_ids.unique().numel() == res_ids.numel()

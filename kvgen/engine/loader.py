@@ -85,24 +85,29 @@ def check_kernel_backend(backend: str, device: torch.device) -> str:
         raise EngineError(f"kernel backend must be {', '.join(ENGINE_BACKENDS[:-1])} or {ENGINE_BACKENDS[-1]}, "
                           f"got {backend!r}")
     if device.type == "cuda":
-        return backend
+        # ROCm's devices are "cuda" too, but nvcc's kernels cannot run there: auto is Triton, said once here
+        # rather than by a skipped variant's warning at every start
+        return "triton" if backend == "auto" and getattr(torch.version, "hip", None) else backend
     if backend == "cuda":
         raise EngineError(f"the {backend} kernel backend runs CUDA kernels; the engine is on {device}: use "
-                          "--backend triton there (the default)")
+                          "--backend triton (kernel_backend='triton', the default) or auto there")
     return "triton"
 
 
-def decide_decode_kernel(cache: Any, autotune: bool) -> Any:
+def decide_decode_kernel(cache: Any, autotune: bool, max_model_len: int, max_num_seqs: int) -> Any:
     """The decode kernel an ``auto`` package's ``cache`` runs from now on, and why (a BackendChoice).
 
     With ``autotune`` the runtime decides now (``cache.choose_backend``: a
-    remembered choice, else the variants timed at the plan's shapes, and
-    persisted); without, the choice the cache made at load stands (the
-    runtime would not time them either). Call it before any CUDA graph is
-    captured over ``cache.kernels["decode"]``.
+    remembered choice, else the variants timed, and persisted) at the
+    engine's two ends of decode: one sequence of ``max_model_len`` tokens,
+    and ``max_num_seqs`` sequences sharing the cache's capacity; without,
+    the choice the cache made at load stands (the runtime would not time
+    them either). Call it before any CUDA graph is captured over
+    ``cache.kernels["decode"]``.
     """
     if autotune or "decode" not in cache.backend_choices:  # one decode variant: nothing to time, it says so
-        return cache.choose_backend("decode")
+        full = max(1, min(max_model_len, cache.capacity_tokens // max_num_seqs))
+        return cache.choose_backend("decode", [(1, max_model_len), (max_num_seqs, full)], plan_shapes=False)
     return cache.backend_choices["decode"]
 
 
@@ -207,9 +212,6 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     tier = host_tier_args(host_tokens, staging_tokens, preemption_mode)
     cache = package.load(device=dev, max_tokens=max_tokens, autotune=autotune, max_seqs=cache_seqs, tp_rank=0,
                          tp_size=tp, **tier)
-    # auto: decide the decode kernel now, before DecodeGraphs capture cache.kernels["decode"] and before the tp
-    # ranks load (they run rank 0's choice)
-    decode_choice = decide_decode_kernel(cache, autotune) if kernel_backend == "auto" else None
     capacity = cache.capacity_tokens
     if max_model_len is None:
         max_model_len = min(limit, capacity)
@@ -222,6 +224,10 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
         max_num_batched_tokens = GPU_BATCHED_TOKENS if dev.type == "cuda" else CPU_BATCHED_TOKENS
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
         raise EngineError("max_num_seqs and max_num_batched_tokens must be >= 1")
+    # auto: decide the decode kernel now (at the limits just set), before DecodeGraphs capture
+    # cache.kernels["decode"] and before the tp ranks load (they run rank 0's choice)
+    decode_choice = (decide_decode_kernel(cache, autotune, max_model_len, max_num_seqs)
+                     if kernel_backend == "auto" else None)
 
     tokenizer = gguf.tokenizer(gguf_path) if gguf_path is not None else None
     if folder is not None and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model",

@@ -275,8 +275,11 @@ class Autotuner:
 
     def _warn_if_outdated(self, khash: str) -> None:
         # format 2 and before: the same name without the format suffix
-        old = self.root() / f"{self._stem(khash)}.json"
-        if old.is_file():
+        try:
+            outdated = (self.root() / f"{self._stem(khash)}.json").is_file()
+        except OSError:  # an unreadable cache folder: _read and _save say so where it matters
+            return
+        if outdated:
             _warn_once(f"<outdated {self.root()}>",
                        f"kvgen autotune: tuned configs under {self.root()} were timed by an earlier kvgen (on warm "
                        f"inputs) and are not used; run kvgen tune again on this GPU (the old files are left as they are)")

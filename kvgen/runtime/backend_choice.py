@@ -102,7 +102,8 @@ def choose(tuner: Autotuner, op: str, variants: Mapping[str, tuple[ModuleType, s
     reuse a remembered choice and time only where ``tuner.should_tune()``.
     ``decide``: reuse a remembered choice, else time now wherever timing is
     possible and tuning is on, whatever the autotune mode (an engine that
-    asked for ``auto`` at start-up: one decision, persisted).
+    asked for ``auto`` at start-up: one decision, persisted), at ``shapes``
+    only unless ``explicit``.
     ``release()`` runs after each shape is timed (drops its synthetic inputs).
     """
     names = list(variants)
@@ -124,7 +125,9 @@ def choose(tuner: Autotuner, op: str, variants: Mapping[str, tuple[ModuleType, s
                 return BackendChoice(op, first, "first", f"{first}: {_why_not_timed(tuner)}")
         elif not tuner.can_time() or (decide and not tuner.enabled):  # kvgen tune times even untuned caches
             return BackendChoice(op, first, "first", f"{first}: {_why_not_timed(tuner)}")
-        return _decide(tuner, op, variants, make_bench, shapes, key, ids, release)
+        # an engine's start-up decision (decide, not explicit) times only the shapes it names: the buckets a
+        # wide kvgen tune of another package left would each be tuned anew for the other variants
+        return _decide(tuner, op, variants, make_bench, shapes, key, ids, release, tuned=explicit or not decide)
     except Exception as err:  # choosing must never fail a load: the first variant always exists
         _warn_once(f"<choose {op}>", f"kvgen: choosing the {op} kernel failed ({type(err).__name__}: {err}); "
                    f"the {first} kernel runs")
@@ -170,12 +173,14 @@ def _synchronize(tuner: Autotuner) -> None:
         torch.cuda.synchronize(tuner.device)
 
 
-def _shapes(tuner: Autotuner, op: str, ids: Mapping[str, str], given: Iterable[tuple[int, ...]]):
-    """Bucket key -> shape: the given shapes, then every bucket tuned for any variant, smallest first."""
+def _shapes(tuner: Autotuner, op: str, ids: Mapping[str, str], given: Iterable[tuple[int, ...]],
+            tuned: bool = True):
+    """Bucket key -> shape: the given shapes, then (``tuned``) every bucket tuned for any variant, smallest
+    first."""
     out: dict[str, tuple[int, ...]] = {}
     for shape in given:
         out.setdefault(tuner.key(op, tuple(shape)), tuple(int(n) for n in shape))
-    for ident in ids.values():
+    for ident in ids.values() if tuned else ():
         for key in tuner.cached(ident):
             if key.startswith(op + "/"):
                 try:
@@ -185,9 +190,9 @@ def _shapes(tuner: Autotuner, op: str, ids: Mapping[str, str], given: Iterable[t
     return dict(sorted(out.items(), key=lambda kv: tuple(bucket(n) for n in kv[1])))
 
 
-def _decide(tuner, op, variants, make_bench, given, key, ids, release) -> BackendChoice:
+def _decide(tuner, op, variants, make_bench, given, key, ids, release, tuned=True) -> BackendChoice:
     names, first = list(variants), next(iter(variants))
-    shapes = _shapes(tuner, op, ids, given)
+    shapes = _shapes(tuner, op, ids, given, tuned)
     if not shapes:
         return BackendChoice(op, first, "first", f"{first}: no shape to time {op} at")
     start = time.perf_counter()

@@ -92,14 +92,14 @@ class KernelConfigMixin:
             return [(1, context), (max(1, int(self.plan.get("concurrency") or 1)), context)]
         return [(1, context, context)]
 
-    def choose_backend(self, op: str, shapes=(), *, retime: bool = False):
+    def choose_backend(self, op: str, shapes=(), *, retime: bool = False, plan_shapes: bool = True):
         """Decide now which variant of ``op`` runs from here on, and return the
         :class:`~.backend_choice.BackendChoice`.
 
         A remembered choice is reused unless ``retime``; otherwise the variants
-        are timed at the plan's shapes, ``shapes`` and the op's tuned buckets,
-        whatever ``KVGEN_AUTOTUNE``'s mode (except ``off``), and the choice is
-        persisted. Where nothing can be timed (no CUDA device, the interpreter,
+        are timed at the plan's shapes (unless not ``plan_shapes``) and
+        ``shapes`` (with ``retime`` also at the op's tuned buckets), whatever
+        ``KVGEN_AUTOTUNE``'s mode (except ``off``), and the choice is persisted. Where nothing can be timed (no CUDA device, the interpreter,
         ``autotune=False``) what runs stays. An op with one variant keeps it;
         an op the cache has no kernel for is a KvgenRuntimeError. Call before
         capturing CUDA graphs over ``kernels[op]``; a variant that cannot run
@@ -112,7 +112,8 @@ class KernelConfigMixin:
             backend = self.kernel_backends.get(op, "triton")
             return self.backend_choices.get(op) or BackendChoice(op, backend, "first", f"{backend}: the only {op} kernel")
         before = self.backend_choices.get(op)
-        choice = self._choose_backend(op, [*self._plan_shapes(op), *shapes], explicit=retime, decide=True)
+        given = [*(self._plan_shapes(op) if plan_shapes else ()), *shapes]
+        choice = self._choose_backend(op, given, explicit=retime, decide=True)
         if choice.origin == "first" and before is not None and before.origin != "first":
             self._use_choice(op, before)  # nothing was timed now: what ran (a remembered choice) stands
             return before

@@ -57,12 +57,14 @@ def l2_bytes(device: torch.device | str) -> int:
 
 def cold_copies(working_set_bytes: int, device: torch.device | str) -> int:
     """How many distinct input sets, each reading ``working_set_bytes``, timed calls should cycle through so
-    that none is still in L2 when it comes round again: ``ceil(COLD_FACTOR * L2 / working set)``, at least 1
-    (a working set of three L2s or more is cold by itself), at most ``MAX_COLD_COPIES``."""
+    that none is still in L2 when it comes round again: 1 for a working set of ``COLD_FACTOR`` L2s or more
+    (cold by itself), else ``ceil(COLD_FACTOR * L2 / working set) + 1`` (the others, read between two uses
+    of one, add up to ``COLD_FACTOR`` L2s), at most ``MAX_COLD_COPIES``."""
     l2 = l2_bytes(device)
-    if l2 <= 0 or working_set_bytes <= 0:
+    ws = int(working_set_bytes)
+    if l2 <= 0 or ws <= 0 or ws >= COLD_FACTOR * l2:
         return 1
-    return max(1, min(MAX_COLD_COPIES, -(-COLD_FACTOR * l2 // int(working_set_bytes))))
+    return min(MAX_COLD_COPIES, -(-COLD_FACTOR * l2 // ws) + 1)
 
 
 def _page_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
@@ -139,7 +141,9 @@ def graph_time_ms(fn: Callable[[], Any]) -> float:
         calls = max(1, min(MAX_CALLS, int(TARGET_MS / once)))
         # A whole number of turns through the input sets fn cycles over (cold_page_tables): every set used
         # equally often, and between two uses of one all the others pass.
-        cycle = max(1, int(getattr(fn, "cycle", 1)))
+        # A call of TARGET_MS or more runs alone: its own reads dwarf whatever L2 still holds, and whole turns
+        # would multiply a long prefill candidate's cost by the cycle.
+        cycle = max(1, int(getattr(fn, "cycle", 1))) if once < TARGET_MS else 1
         calls = -(-max(calls, cycle) // cycle) * cycle
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):

@@ -44,6 +44,15 @@ def test_check_kernel_backend_says_what_runs_where():
             check_kernel_backend(bad, gpu)
 
 
+def test_auto_on_rocm_is_triton(monkeypatch):
+    """ROCm's devices are "cuda" too; nvcc's kernels cannot run there, so auto compiles Triton only."""
+    from kvgen.engine.loader import check_kernel_backend
+
+    monkeypatch.setattr(torch.version, "hip", "6.2.0", raising=False)
+    gpu = torch.device("cuda", 0)
+    assert check_kernel_backend("auto", gpu) == "triton" and check_kernel_backend("cuda", gpu) == "cuda"
+
+
 @pytest.mark.parametrize("backend", ["cuda", "auto"])
 def test_cli_backend_reaches_the_engine(monkeypatch, backend):
     """``kvgen generate --backend cuda|auto`` hands kernel_backend to the engine (which decides what runs)."""
