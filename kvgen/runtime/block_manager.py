@@ -52,6 +52,7 @@ The manager is not thread-safe; call it from one thread (the scheduler's).
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 
@@ -171,10 +172,10 @@ class BlockManager(ReservationMixin, TieringMixin):
         """
         return list(self._seq(seq_id).table)
 
-    def step_view(self, seq_ids: Sequence[Hashable]) -> tuple[list[list[int]], list[int], list[int]]:
+    def step_view(self, seq_ids: Sequence[Hashable]) -> tuple[list[array], list[int], list[int]]:
         """``(tables, lengths, num_compressed)`` of ``seq_ids`` in one pass, for packing a step's metadata.
 
-        The tables are the manager's own lists, not copies (a step packs
+        The tables are the manager's own int arrays (``array("i")``), not copies (a step packs
         thousands of entries per decode step): read them before the next
         mutating call, never write them. Use :meth:`block_table` for a copy.
         """
@@ -294,7 +295,7 @@ class BlockManager(ReservationMixin, TieringMixin):
             raise KvgenRuntimeError(f"sequence {child_id!r} already exists; fork into a new id")
         for i, page in enumerate(p.table):
             self._pools[self._pool_of(p, i)].ref[page] += 1
-        self._seqs[child_id] = _Seq(list(p.table), p.length, p.num_compressed,
+        self._seqs[child_id] = _Seq(array("i", p.table), p.length, p.num_compressed,
                                     list(p.hashes), list(p.pending), p.known, p.cold, p.swapped)
 
     def free(self, seq_id: Hashable) -> None:

@@ -186,7 +186,7 @@ def build_step(index: int, bm: BlockManager, buffers: DeviceBuffers, seq_ids: Se
     there, so they overlap this function's host work.
     """
     B = len(seq_ids)
-    tables, lens, ncomp = bm.step_view(seq_ids)  # the manager's lists: read here, never kept
+    tables, lens, ncomp = bm.step_view(seq_ids)  # the manager's arrays: read here, never kept
     max_pages = max(max(map(len, tables), default=0), 1)
     slots = reservation.slots
     cu = [0]
