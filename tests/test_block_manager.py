@@ -701,3 +701,60 @@ def test_prefix_spill_and_restore():
     # making room evicted b's cached pages: they spilled first (copies before the restores)
     assert len(plan.to_host) == 2 and {d for _, d, _ in plan.to_host} == set(bm.block_table("c"))
     assert bm.num_free_pages(HOST_COMPRESSED) == 4 and len(bm._caches[HOST_COMPRESSED].hash_page) == 4
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_reserve_step_decode_shortcut_equals_the_general_path(seed):
+    """reserve_step's shortcut for a decode token inside its own unshared tail page leaves every book exactly
+    as the general append does: the same slots, copies, tables, lengths, hashes, pending ids and prefix-cache
+    hits, over random steps of prefills, decodes with and without token ids, forks (shared tail pages),
+    frees and an out-of-pages step (rolled back)."""
+    import random
+
+    rng = random.Random(seed)
+    P = rng.choice([2, 4, 16])
+    fast, slow = (BlockManager(P, 40, 0, None, "int8") for _ in range(2))
+    slow._decode_fast_path = False
+    live: list[int] = []
+    next_id = 0
+
+    def both(fn):
+        outs = []
+        for bm in (fast, slow):
+            try:
+                outs.append(("ok", fn(bm)))
+            except OutOfPages as e:
+                outs.append(("out", str(e)))
+        assert outs[0] == outs[1]
+        return outs[0]
+
+    def books(bm):
+        return {sid: (bm.block_table(sid), bm._seqs[sid].length, bm.num_compressed(sid), list(bm._seqs[sid].hashes),
+                      list(bm._seqs[sid].pending), bm._seqs[sid].known) for sid in live}
+
+    for _ in range(200):
+        op = rng.random()
+        if op < 0.2 or not live:
+            sid, next_id = next_id, next_id + 1
+            prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 3 * P))]
+            if both(lambda bm: bm.add_sequence(sid, prompt))[0] == "ok":
+                live.append(sid)
+                both(lambda bm: plan_tuple(bm.reserve_step([sid], [len(prompt)], [prompt])))
+        elif op < 0.3:
+            child, next_id = next_id, next_id + 1
+            parent = rng.choice(live)
+            both(lambda bm: bm.fork(parent, child))
+            live.append(child)
+        elif op < 0.38:
+            gone = live.pop(rng.randrange(len(live)))
+            both(lambda bm: bm.free(gone))
+        else:
+            batch = rng.sample(live, rng.randrange(1, len(live) + 1))
+            ids = [None if rng.random() < 0.2 else [rng.randrange(3)] for _ in batch]
+            both(lambda bm: plan_tuple(bm.reserve_step(batch, [1] * len(batch), ids)))
+        assert books(fast) == books(slow)
+        both(lambda bm: bm.num_free_pages(COMPRESSED))  # the same pages free or evictable
+
+
+def plan_tuple(plan):
+    return plan.slots, [(p.start, p.end, list(p.copies), list(p.conversions)) for p in plan.phases]
