@@ -177,3 +177,21 @@ def test_cycled_inputs_time_a_small_read_cold():
     warm = graph_time_ms(lambda: bufs[0].sum())
     cold = graph_time_ms(lambda: bufs[next(turn) % n].sum())
     assert n > 1 and cold > 1.15 * warm, (n, warm, cold)
+
+
+def test_a_sliding_window_plan_counts_only_the_window_s_pages(tmp_path, monkeypatch):
+    """With a sliding window the kernels read only the window's pages: more copies keep them cold."""
+    from kvgen.runtime.kernel_timer import cold_copies
+    from kvgen.runtime.pools import page_bytes
+    from test_backend_choice import _kernels, _load, _plan, _tuner
+
+    plan = _plan()
+    plan["sliding_window"] = 64
+    kernels, variants, _ = _kernels("coldwindow", [], 0.0)
+    cache = _load(plan, kernels, variants, _tuner(tmp_path))
+    cache.__dict__.pop("_bench_inputs", None)
+    B, S, P = 2, 1024, cache.page_size
+    one = page_bytes(cache.pools[0])
+    monkeypatch.setattr(kernel_timer, "l2_bytes", lambda device: B * (S // P) * one)
+    fn = cache._bench("decode", (B, S), None, types.SimpleNamespace(launch=lambda *a, **k: None))
+    assert fn.cycle == cold_copies(B * (-(-64 // P) + 1) * one, "cuda") > cold_copies(B * (S // P) * one, "cuda")

@@ -185,6 +185,9 @@ class KernelConfigMixin:
             # cold, as a model's layer does; a prefill reads only its cached prefix from pages); the rest is
             # small and shared.
             read = pages if op == "decode" else -(-(S - Q) // P)
+            window = int(self.plan.get("sliding_window") or 0)
+            if window:  # the kernels never load pages wholly before the window
+                read = min(read, -(-window // P) + 1)
             pools, tables = cold_page_tables(self.pools[0], B, pages, nc, read)
             t: dict[str, Any] = {"pools": pools, "bts": tables,
                                  "seq_lens": torch.full((B,), S, dtype=torch.int32, device=dev),
