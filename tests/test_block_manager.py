@@ -706,17 +706,27 @@ def test_prefix_spill_and_restore():
 @pytest.mark.parametrize("seed", range(12))
 def test_reserve_step_decode_shortcut_equals_the_general_path(seed):
     """reserve_step's shortcut for a decode token inside its own unshared tail page leaves every book exactly
-    as the general append does: the same slots, copies, tables, lengths, hashes, pending ids and prefix-cache
-    hits, over random steps of prefills, decodes with and without token ids, forks (shared tail pages),
-    frees and an out-of-pages step (rolled back)."""
+    as the general append does -- the same slots, copies, ref counts, free lists, prefix caches (and their
+    LRU order), tables, lengths, hashes and pending ids -- over random steps of prefills after prefix hits,
+    decodes with and without token ids, forks (shared tail pages), frees and out-of-pages steps (rolled back);
+    and the shortcut does run."""
     import random
 
     rng = random.Random(seed)
-    P = rng.choice([2, 4, 16])
-    fast, slow = (BlockManager(P, 40, 0, None, "int8") for _ in range(2))
+    P = rng.choice([3, 4, 16])
+    fast, slow = (BlockManager(P, 48, 0, None, "int8") for _ in range(2))
     slow._decode_fast_path = False
+    appends = {id(fast): 0, id(slow): 0}
+    for bm in (fast, slow):
+        general = bm._append
+
+        def counted(*args, bm=bm, general=general):
+            appends[id(bm)] += 1
+            return general(*args)
+        bm._append = counted
     live: list[int] = []
     next_id = 0
+    stems = [[rng.randrange(3) for _ in range(2 * P)] for _ in range(3)]  # shared prefixes: prefix-cache hits
 
     def both(fn):
         outs = []
@@ -728,32 +738,54 @@ def test_reserve_step_decode_shortcut_equals_the_general_path(seed):
         assert outs[0] == outs[1]
         return outs[0]
 
-    def books(bm):
-        return {sid: (bm.block_table(sid), bm._seqs[sid].length, bm.num_compressed(sid), list(bm._seqs[sid].hashes),
-                      list(bm._seqs[sid].pending), bm._seqs[sid].known) for sid in live}
+    def state(bm):
+        pools = {name: (list(p.ref), list(p.free)) for name, p in bm._pools.items()}
+        caches = {name: (dict(c.hash_page), dict(c.page_hash), list(c.lru.items())) for name, c in bm._caches.items()}
+        seqs = {sid: (s.table.typecode, list(s.table), s.length, s.num_compressed, list(s.hashes), list(s.pending),
+                      s.known, s.cold, s.swapped) for sid, s in bm._seqs.items()}
+        return pools, caches, seqs, bm._stamp, bm._spills, bm._parked, bm._journal
 
     for _ in range(200):
         op = rng.random()
         if op < 0.2 or not live:
             sid, next_id = next_id, next_id + 1
-            prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 3 * P))]
-            if both(lambda bm: bm.add_sequence(sid, prompt))[0] == "ok":
+            prompt = rng.choice(stems)[:rng.randrange(1, 2 * P)] + [rng.randrange(3) for _ in range(rng.randrange(P))]
+            added = both(lambda bm: bm.add_sequence(sid, prompt[:-1]))
+            if added[0] == "ok":
                 live.append(sid)
-                both(lambda bm: plan_tuple(bm.reserve_step([sid], [len(prompt)], [prompt])))
+                rest = prompt[added[1]:]
+                if both(lambda bm: plan_tuple(bm.reserve_step([sid], [len(rest)], [rest])))[0] == "out":
+                    gone = live.pop(rng.randrange(len(live)))  # preempt, as the scheduler would
+                    both(lambda bm: bm.free(gone))
         elif op < 0.3:
             child, next_id = next_id, next_id + 1
             parent = rng.choice(live)
             both(lambda bm: bm.fork(parent, child))
             live.append(child)
-        elif op < 0.38:
+        elif op < 0.4:
             gone = live.pop(rng.randrange(len(live)))
             both(lambda bm: bm.free(gone))
         else:
             batch = rng.sample(live, rng.randrange(1, len(live) + 1))
             ids = [None if rng.random() < 0.2 else [rng.randrange(3)] for _ in batch]
-            both(lambda bm: plan_tuple(bm.reserve_step(batch, [1] * len(batch), ids)))
-        assert books(fast) == books(slow)
-        both(lambda bm: bm.num_free_pages(COMPRESSED))  # the same pages free or evictable
+            if both(lambda bm: plan_tuple(bm.reserve_step(batch, [1] * len(batch), ids)))[0] == "out":
+                gone = live.pop(rng.randrange(len(live)))
+                both(lambda bm: bm.free(gone))
+        assert state(fast) == state(slow)
+    assert 0 < appends[id(fast)] < appends[id(slow)]  # the shortcut took some appends off the general path
+
+
+def test_residual_schemes_never_take_the_decode_shortcut():
+    """A residual scheme's appends always go through the general path (pages leave its window)."""
+    bm = BlockManager(4, 16, 16, 4, "int4")
+    calls = []
+    general = bm._append
+    bm._append = lambda *args: calls.append(1) or general(*args)
+    bm.add_sequence("a")
+    bm.reserve_step(["a"], [5])
+    calls.clear()
+    bm.reserve_step(["a"], [1])  # inside its tail page: a non-residual scheme's shortcut case
+    assert calls == [1]
 
 
 def plan_tuple(plan):

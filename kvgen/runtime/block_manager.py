@@ -102,8 +102,9 @@ class BlockManager(ReservationMixin, TieringMixin):
                                  ("num_residual_pages", num_residual_pages, 0),
                                  ("num_host_pages", num_host_pages, 0),
                                  ("num_host_residual_pages", num_host_residual_pages, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise KvgenRuntimeError(f"BlockManager {name} must be an int >= {low}, got {value!r}")
+            # page ids live in C int arrays (block tables) and int32 device tables
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= 2**31 - 1:
+                raise KvgenRuntimeError(f"BlockManager {name} must be an int from {low} to 2**31 - 1, got {value!r}")
         if residual_tokens is not None and (not isinstance(residual_tokens, int) or residual_tokens < 0):
             raise KvgenRuntimeError(
                 f"BlockManager residual_tokens must be None or an int >= 0, got {residual_tokens!r}")
@@ -177,7 +178,8 @@ class BlockManager(ReservationMixin, TieringMixin):
 
         The tables are the manager's own int arrays (``array("i")``), not copies (a step packs
         thousands of entries per decode step): read them before the next
-        mutating call, never write them. Use :meth:`block_table` for a copy.
+        mutating call, never write them, never keep a buffer view of one (a
+        later append would fail while the view lives). Use :meth:`block_table` for a copy.
         """
         seqs = [self._seq(sid) for sid in seq_ids]
         return [s.table for s in seqs], [s.length for s in seqs], [s.num_compressed for s in seqs]

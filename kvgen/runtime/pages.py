@@ -116,7 +116,7 @@ class _Seq:
     swapped: bool = False  # every page is in the host tier (swapped out): no step may touch it
 
     def __post_init__(self) -> None:
-        if not isinstance(self.table, array):
+        if not isinstance(self.table, array) or self.table.typecode != "i":
             self.table = array("i", self.table)
 
 
