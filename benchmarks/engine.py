@@ -178,15 +178,18 @@ def workload(n: int, seed: int = 0, prompt=(512, 2048), output=(128, 512)):
             for _ in range(n)]
 
 
-def throughput_record(kv, reqs, *, max_model_len, max_num_seqs, max_tokens=None, context=None, label="kvgen"):
-    eng = make_engine(kv, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_tokens=max_tokens)
+def throughput_record(kv, reqs, *, max_model_len, max_num_seqs, max_tokens=None, context=None, label="kvgen",
+                      async_scheduling=False):
+    eng = make_engine(kv, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_tokens=max_tokens,
+                      async_scheduling=async_scheduling)
     phases: dict = {}
     generated, s = run_offline(eng, reqs, torch.cuda.synchronize, phases)
     rec = dict(kind="throughput", engine=label, kv=kv, requests=len(reqs), context=context, ms=s * 1e3,
                tokens_per_s=generated / s, peak_concurrent=eng.peak_running, preemptions=eng.scheduler.num_preemptions,
                capacity_tokens=eng.cache.capacity_tokens, output_tokens=[min(m for _, m in reqs), max(m for _, m in reqs)],
                decode_steps=phases["decode_steps"], decode_share=phases["decode_s"] / s if s else None,
-               decode_tokens_per_s=phases["decode_tokens"] / phases["decode_s"] if phases["decode_s"] else None)
+               decode_tokens_per_s=phases["decode_tokens"] / phases["decode_s"] if phases["decode_s"] else None,
+               async_scheduling=async_scheduling, async_steps=eng.num_async_steps)
     log(json.dumps(rec))
     holder = [eng]
     del eng
@@ -293,7 +296,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-bound-output", type=int, default=512,
                     help="output tokens of each KV-bound request (its decode phase; the 32K prompt is the same)")
     ap.add_argument("--async-scheduling", action="store_true",
-                    help="step part: time kvgen's steps with async scheduling too (records with async_scheduling true)")
+                    help="step part: time kvgen's steps with async scheduling too (records with async_scheduling "
+                         "true); kvbound part: its engines schedule asynchronously")
     from kvgen.engine.config import ENGINE_BACKENDS
 
     ap.add_argument("--kernel-backend", default="triton", choices=ENGINE_BACKENDS,
@@ -362,7 +366,7 @@ def main(argv=None) -> int:
                 reqs = workload(2 * n, seed=2, prompt=(ctx - 64, ctx), output=(out_len, out_len))
                 # max_num_seqs = every request: the KV budget, not the sequence limit, bounds concurrency
                 return throughput_record(kv, reqs, max_model_len=ctx + out_len + 64, max_num_seqs=len(reqs),
-                                         max_tokens=cap, context=ctx)
+                                         max_tokens=cap, context=ctx, async_scheduling=args.async_scheduling)
             attempt(kv_bound)
     if "ttft" in parts:
         for kv in kvs:

@@ -154,8 +154,8 @@ if [ "$what" = recheck ]; then
   timeout 130 python3 -m benchmarks.run --ops decode --schemes bf16,int8,int4 --backend auto --out "$OUT/decode_auto" \
     >"$OUT/decode_auto.log" 2>&1; echo "decode, --backend auto: exit $?"; grep -E "\"op\": \"decode\"" "$OUT/decode_auto.log" | cut -c1-200
   timeout 230 python3 -m benchmarks.engine --parts kvbound --no-hf --kv bf16,int4 --kernel-backend auto \
-    --out "$OUT/engine_kvbound_auto.json" >"$OUT/engine_kvbound_auto.log" 2>&1
-  echo "KV-bound (kernel_backend auto): exit $?"; grep '"kind"' "$OUT/engine_kvbound_auto.log" | cut -c1-300
+    --async-scheduling --out "$OUT/engine_kvbound_auto.json" >"$OUT/engine_kvbound_auto.log" 2>&1
+  echo "KV-bound (kernel_backend auto, async scheduling): exit $?"; grep '"kind"' "$OUT/engine_kvbound_auto.log" | cut -c1-300
 fi
 if [ "$what" = ncu ]; then
   # About 6 minutes: Nsight Compute on one launch of each decode kernel at B=32, L=4096, 64/8 heads, D=128
