@@ -29,11 +29,12 @@ the timer falls back to do_bench (which flushes L2 itself). Off CUDA (the interp
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
+
+from .pools import page_bytes
 
 TARGET_MS = 1.0
 """Calls per graph are chosen so a replay lasts about this long (per-replay overhead below 1%)."""
@@ -67,10 +68,6 @@ def cold_copies(working_set_bytes: int, device: torch.device | str) -> int:
     return min(MAX_COLD_COPIES, -(-COLD_FACTOR * l2 // ws) + 1)
 
 
-def _page_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
-    return sum(math.prod(t.shape[1:]) * t.element_size() for t in tensors.values())
-
-
 def _distinct_pages(n: int, num_pages: int, device: torch.device) -> torch.Tensor:
     # n page ids of [0, num_pages), none twice where the pool has room (a repeat would hit L2 within a call)
     if n <= num_pages:
@@ -97,7 +94,7 @@ def cold_page_tables(pool: Mapping[str, torch.Tensor], batch: int, pages: int, c
     compressed = min(compressed, pages) if res else pages
     read = pages if read_pages is None else min(read_pages, pages)
     read_comp = min(read, compressed)
-    ws = batch * (read_comp * _page_bytes(comp) + (read - read_comp) * _page_bytes(res))
+    ws = batch * (read_comp * page_bytes(comp) + (read - read_comp) * page_bytes(res))
     copies = cold_copies(ws, device)
     n_comp, n_res = batch * compressed, batch * (pages - compressed)
     if copies > 1:
