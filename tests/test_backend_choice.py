@@ -250,7 +250,7 @@ def test_choose_backend_decides_now_in_cached_mode_and_persists(tmp_path, monkey
     assert choice.origin == "timed" and choice.backend == "cuda" and cache.kernels["decode"] is cuda
     assert choice.shapes == ("decode/b1/s4096", "decode/b8/s4096", "decode/b32/s2048")
     assert cache.backend_choices["decode"] is choice and cache.kernel_backends["decode"] == "cuda"
-    assert cache.choose_backend("decode").origin == "remembered"  # decided once, then reused
+    assert cache.choose_backend("decode") is choice  # decided once, then reused (nothing timed or launched)
     assert cache.choose_backend("decode", retime=True).origin == "timed"
     again = _load(_plan(), kernels, variants, cached_tuner())
     assert again.kernels["decode"] is cuda and again.backend_choices["decode"].origin == "remembered"

@@ -96,7 +96,8 @@ class KernelConfigMixin:
         """Decide now which variant of ``op`` runs from here on, and return the
         :class:`~.backend_choice.BackendChoice`.
 
-        A remembered choice is reused unless ``retime``; otherwise the variants
+        A choice already made (timed, or remembered at load) or a remembered one
+        is kept unless ``retime``; otherwise the variants
         are timed at the plan's shapes (unless not ``plan_shapes``) and
         ``shapes`` (with ``retime`` also at the op's tuned buckets), whatever
         ``KVGEN_AUTOTUNE``'s mode (except ``off``), and the choice is persisted. Where nothing can be timed (no CUDA device, the interpreter,
@@ -112,6 +113,8 @@ class KernelConfigMixin:
             backend = self.kernel_backends.get(op, "triton")
             return self.backend_choices.get(op) or BackendChoice(op, backend, "first", f"{backend}: the only {op} kernel")
         before = self.backend_choices.get(op)
+        if not retime and before is not None and before.origin in ("timed", "remembered"):
+            return before  # decided already (at load, its kernel probed then): nothing to time or launch again
         given = [*(self._plan_shapes(op) if plan_shapes else ()), *shapes]
         choice = self._choose_backend(op, given, explicit=retime, decide=True)
         if choice.origin == "first" and before is not None and before.origin != "first":
