@@ -95,7 +95,7 @@ def test_the_runtime_bench_cycles_through_disjoint_cold_page_sets(tmp_path, monk
     assert all(t.shape == (B, pages) for t in tables)
     scratch = seen[0][1]
     assert all(p is scratch for _, p, _ in seen) and scratch is not cache.pools[0]
-    assert set(scratch) == set(cache.pools[0]) and all(scratch[k].shape[0] == n * B * pages for k in scratch)
+    assert set(scratch) == set(cache.pools[0]) and all(scratch[k].shape[0] == n * B * pages + 1 for k in scratch)
     assert len({id(q) for q, _, _ in seen}) == 1
     # another config of the same bucket shares the inputs (a fair comparison), starting from the first table
     seen.clear()
@@ -129,7 +129,7 @@ def test_cold_page_tables_are_disjoint_and_count_residual_pages_at_their_own_siz
     scratch, tables = cold_page_tables(pool, B, pages, nc)
     n = COLD_FACTOR + 1
     assert len(tables) == n and scratch is not pool
-    assert scratch["k"].shape[0] == n * B * nc and scratch["rk"].shape[0] == n * B * (pages - nc)
+    assert scratch["k"].shape[0] == n * B * nc + 1 and scratch["rk"].shape[0] == n * B * (pages - nc) + 1
     comp_ids = torch.cat([t[:, :nc].flatten() for t in tables])
     res_ids = torch.cat([t[:, nc:].flatten() for t in tables])
     assert comp_ids.unique().numel() == comp_ids.numel() and res_ids.unique().numel() == res_ids.numel()
@@ -145,8 +145,15 @@ def test_cold_page_tables_are_disjoint_and_count_residual_pages_at_their_own_siz
     # without a residual pool every entry is compressed
     scratch, tables = cold_page_tables(_pool(64), B, pages, nc)
     ids = torch.cat([t.flatten() for t in tables])
-    assert set(scratch) == {"k", "v", "ks"} and scratch["k"].shape[0] == len(tables) * B * pages
-    assert ids.unique().numel() == ids.numel() == scratch["k"].shape[0] and tables[0].shape == (B, pages)
+    assert set(scratch) == {"k", "v", "ks"} and scratch["k"].shape[0] == len(tables) * B * pages + 1
+    assert ids.unique().numel() == ids.numel() == scratch["k"].shape[0] - 1 and tables[0].shape == (B, pages)
+    # a prefill that reads 3 of its 8 pages: scratch rows for those only; the rest point at one spare page
+    scratch, tables = cold_page_tables(_pool(64, 16), B, pages, nc, read_pages=3)
+    spare = scratch["k"].shape[0] - 1
+    assert spare == len(tables) * B * 3 and scratch["rk"].shape[0] == 1
+    read = torch.cat([t[:, :3].flatten() for t in tables])
+    assert read.unique().numel() == read.numel() and int(read.max()) < scratch["k"].shape[0]
+    assert all(bool((t[:, 3:nc] == spare).all()) and bool((t[:, nc:] == 0).all()) for t in tables)
 
 
 @pytest.mark.gpu

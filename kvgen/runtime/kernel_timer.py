@@ -86,27 +86,34 @@ def cold_page_tables(pool: Mapping[str, torch.Tensor], batch: int, pages: int, c
     ``read_pages`` pages a row, default ``pages``: a prefill reads only its cached prefix) this is ``pool``
     with one table of distinct random pages (repeats only where the pool is smaller than the call). Otherwise
     the tables index a scratch pool of the same layout, zero-filled, holding :func:`cold_copies` disjoint sets
-    of pages: the pool a caller sized for one call (``kvgen tune``, a benchmark) could not keep them apart.
+    of the pages a call reads (the pool a caller sized for one call, ``kvgen tune``'s or a benchmark's, could
+    not keep them apart). Entries a call does not read (a prefill chunk's own pages) all point at one page,
+    the last of their pool.
     """
     device = next(iter(pool.values())).device
     comp = {n: t for n, t in pool.items() if n not in RESIDUAL_TENSORS}
     res = {n: t for n, t in pool.items() if n in RESIDUAL_TENSORS}
     compressed = min(compressed, pages) if res else pages
     read = pages if read_pages is None else min(read_pages, pages)
-    read_comp = min(read, compressed)
-    ws = batch * (read_comp * page_bytes(comp) + (read - read_comp) * page_bytes(res))
+    read_comp = min(read, compressed)  # a row reads its leading pages: compressed ones first, then residual
+    read_res = read - read_comp
+    ws = batch * (read_comp * page_bytes(comp) + read_res * page_bytes(res))
     copies = cold_copies(ws, device)
-    n_comp, n_res = batch * compressed, batch * (pages - compressed)
+    n_comp, n_res = batch * read_comp, batch * read_res
     if copies > 1:
         def scratch(tensors: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
-            return {k: torch.zeros((max(1, n), *t.shape[1:]), dtype=t.dtype, device=device) for k, t in tensors.items()}
-        comp, res = scratch(comp, copies * n_comp), scratch(res, copies * n_res)
+            return {k: torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=device) for k, t in tensors.items()}
+        # the pages read, and one more that every unread entry (a prefill chunk's own pages) points at
+        comp, res = scratch(comp, copies * n_comp + 1), scratch(res, copies * n_res + 1)
         pool = {**comp, **res}
     comp_rows = next(iter(comp.values())).shape[0]  # the pages the tables index (the scratch pool's, if one)
     res_rows = next(iter(res.values())).shape[0] if res else 0
-    ids_c = _distinct_pages(copies * n_comp, comp_rows, device).view(copies, batch, compressed)
-    ids_r = _distinct_pages(copies * n_res, res_rows, device).view(copies, batch, pages - compressed)
-    tables = [torch.cat([ids_c[i], ids_r[i]], dim=1).contiguous() for i in range(copies)]
+    ids_c = _distinct_pages(copies * n_comp, comp_rows, device).view(copies, batch, read_comp)
+    ids_r = _distinct_pages(copies * n_res, res_rows, device).view(copies, batch, read_res)
+    unread_c = torch.full((batch, compressed - read_comp), max(comp_rows - 1, 0), dtype=torch.int32, device=device)
+    unread_r = torch.full((batch, pages - compressed - read_res), max(res_rows - 1, 0), dtype=torch.int32,
+                          device=device)
+    tables = [torch.cat([ids_c[i], unread_c, ids_r[i], unread_r], dim=1).contiguous() for i in range(copies)]
     return pool, tables
 
 
