@@ -35,6 +35,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import random
 import sys
 import time
@@ -302,11 +303,17 @@ def main(argv=None) -> int:
 
     ap.add_argument("--kernel-backend", default="triton", choices=ENGINE_BACKENDS,
                     help="the kvgen engines' kernels (cuda: the CUDA decode kernel where the scheme has one)")
+    ap.add_argument("--autotune", choices=("cached", "sync"), default=None,
+                    help="KVGEN_AUTOTUNE for the kvgen engines: cached (the default a user gets: remembered winners, "
+                         "else the autotuner's model) or sync (every config the engine looks up is timed on first "
+                         "use, the graphs' included; what kvgen tune on these shapes would leave)")
     args = ap.parse_args(argv)
     import triton
 
     global KERNEL_BACKEND
     KERNEL_BACKEND = args.kernel_backend
+    if args.autotune is not None:
+        os.environ["KVGEN_AUTOTUNE"] = args.autotune
 
     kvs = args.kv.split(",")
     parts = set(args.parts.split(","))
@@ -316,7 +323,7 @@ def main(argv=None) -> int:
     records: list[dict] = []
     doc = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                copy_bandwidth=bw, date=datetime.datetime.now(datetime.timezone.utc).isoformat(), quick=q,
-               kernel_backend=KERNEL_BACKEND, records=records)
+               kernel_backend=KERNEL_BACKEND, autotune=os.environ.get("KVGEN_AUTOTUNE") or "cached", records=records)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 

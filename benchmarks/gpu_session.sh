@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -174,6 +174,18 @@ if [ "$what" = ncu ]; then
     echo "ncu $s $b: exit $?"; grep -v "^==PROF==" "$OUT/ncu-$s-$b.err" | tail -2
   done
   python3 -m benchmarks.experiments.ncu_decode summary "$OUT"/ncu-*.csv | tee "$OUT/ncu-summary.txt"
+fi
+if [ "$what" = engine-tuned ]; then
+  # About 8 minutes: issue 14's step goals with tuned decode configs. The graphs take the runtime's config for
+  # each batch bucket at the longest context, and in the default cached mode that is the autotuner's model
+  # unless kvgen tune ran -- as in every engine step measured so far. The steps as a user gets them (a fresh
+  # cache folder), then with every config the engine looks up timed on first use (KVGEN_AUTOTUNE=sync).
+  export KVGEN_CACHE_DIR=/tmp/kvgen-cache-engine-tuned
+  for mode in cached sync; do
+    timeout 260 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-scheduling \
+      --kernel-backend cuda --autotune $mode --out "$OUT/engine_step_$mode.json" >"$OUT/engine_step_$mode.log" 2>&1
+    echo "engine step ($mode configs): exit $?"; grep '"kind"' "$OUT/engine_step_$mode.log" | cut -c1-300
+  done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"
