@@ -178,7 +178,7 @@ fi
 if [ "$what" = engine-tuned ]; then
   # About 8 minutes: issue 14's step goals with tuned decode configs. The graphs take the runtime's config for
   # each batch bucket at the longest context, and in the default cached mode that is the autotuner's model
-  # unless kvgen tune ran -- as in every engine step measured so far. The steps as a user gets them (a fresh
+  # unless kvgen tune ran -- most likely so in every engine step measured so far. The steps as a user gets them (a fresh
   # cache folder), then with every config the engine looks up timed on first use (KVGEN_AUTOTUNE=sync).
   export KVGEN_CACHE_DIR=/tmp/kvgen-cache-engine-tuned
   for mode in cached sync; do
