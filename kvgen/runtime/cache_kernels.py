@@ -96,15 +96,17 @@ class KernelConfigMixin:
         """Decide now which variant of ``op`` runs from here on, and return the
         :class:`~.backend_choice.BackendChoice`.
 
-        A choice already made (timed, or remembered at load) or a remembered one
-        is kept unless ``retime``; otherwise the variants
-        are timed at the plan's shapes (unless not ``plan_shapes``) and
-        ``shapes`` (with ``retime`` also at the op's tuned buckets), whatever
-        ``KVGEN_AUTOTUNE``'s mode (except ``off``), and the choice is persisted. Where nothing can be timed (no CUDA device, the interpreter,
-        ``autotune=False``) what runs stays. An op with one variant keeps it;
-        an op the cache has no kernel for is a KvgenRuntimeError. Call before
-        capturing CUDA graphs over ``kernels[op]``; a variant that cannot run
-        is skipped with a warning, never raised.
+        A choice already made (timed or remembered, at load or by an earlier
+        call) is kept unless ``retime``. Otherwise the variants are timed at
+        the plan's shapes (unless not ``plan_shapes``) and ``shapes`` (with
+        ``retime`` also at the op's tuned buckets), whatever
+        ``KVGEN_AUTOTUNE``'s mode (except ``off``), and the choice is
+        persisted. Where nothing can be timed (no CUDA device, the
+        interpreter, ``autotune=False``) what runs stays. An op with one
+        variant keeps it; an op the cache has no kernel for is a
+        KvgenRuntimeError. Call before capturing CUDA graphs over
+        ``kernels[op]``; a variant that cannot run is skipped with a warning,
+        never raised.
         """
         if op not in self.kernels:
             raise KvgenRuntimeError(f"no {op!r} kernel to choose; this cache's ops: {', '.join(sorted(self.kernels))}")
