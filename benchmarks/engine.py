@@ -298,7 +298,8 @@ def main(argv=None) -> int:
                     help="output tokens of each KV-bound request (its decode phase; the 32K prompt is the same)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="step part: time kvgen's steps with async scheduling too (records with async_scheduling "
-                         "true); kvbound part: its engines schedule asynchronously")
+                         "true); kvbound part: its engines schedule asynchronously (end-to-end tokens/s; the "
+                         "decode-phase figures then blur a phase change, see benchmarks/offline.py)")
     from kvgen.engine.config import ENGINE_BACKENDS
 
     ap.add_argument("--kernel-backend", default="triton", choices=ENGINE_BACKENDS,

@@ -153,9 +153,10 @@ if [ "$what" = recheck ]; then
   tail -3 "$OUT/pytest-gpu-recheck.log"
   timeout 130 python3 -m benchmarks.run --ops decode --schemes bf16,int8,int4 --backend auto --out "$OUT/decode_auto" \
     >"$OUT/decode_auto.log" 2>&1; echo "decode, --backend auto: exit $?"; grep -E "\"op\": \"decode\"" "$OUT/decode_auto.log" | cut -c1-200
+  # synchronous: its decode-phase accounting needs it (benchmarks/offline.py run_offline)
   timeout 230 python3 -m benchmarks.engine --parts kvbound --no-hf --kv bf16,int4 --kernel-backend auto \
-    --async-scheduling --out "$OUT/engine_kvbound_auto.json" >"$OUT/engine_kvbound_auto.log" 2>&1
-  echo "KV-bound (kernel_backend auto, async scheduling): exit $?"; grep '"kind"' "$OUT/engine_kvbound_auto.log" | cut -c1-300
+    --out "$OUT/engine_kvbound_auto.json" >"$OUT/engine_kvbound_auto.log" 2>&1
+  echo "KV-bound (kernel_backend auto): exit $?"; grep '"kind"' "$OUT/engine_kvbound_auto.log" | cut -c1-300
 fi
 if [ "$what" = ncu ]; then
   # About 6 minutes: Nsight Compute on one launch of each decode kernel at B=32, L=4096, 64/8 heads, D=128

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import itertools
 import json
 import math
 import re
@@ -198,7 +197,7 @@ def runtime_choice(tuner, name, shapes, Hq, Hkv, D):
     DecodeCase (one at a time). Returns ``(BackendChoice, {backend: module})``.
     """
     from kvgen.runtime.backend_choice import choose
-    from kvgen.runtime.kernel_timer import cold_page_tables
+    from kvgen.runtime.kernel_timer import cold_page_tables, cycling
 
     G, sm = Hq // Hkv, 1 / math.sqrt(D)
     modules = {}
@@ -217,15 +216,8 @@ def runtime_choice(tuner, name, shapes, Hq, Hkv, D):
             memo.update(shape=(B, L), case=case, out=torch.empty_like(case.q), pools=pools, tables=tables)
         case, out, pools, tables = memo["case"], memo["out"], memo["pools"], memo["tables"]
 
-        def make(cfg):
-            turn = itertools.count()
-
-            def call():
-                return mod.launch(case.q, out, pools, tables[next(turn) % len(tables)], case.seq_lens,
-                                  case.num_compressed, sm, cfg)
-            call.cycle = len(tables)
-            return call
-        return make
+        return lambda cfg: cycling(tables, lambda bt: mod.launch(case.q, out, pools, bt, case.seq_lens,
+                                                                 case.num_compressed, sm, cfg))
 
     choice = choose(tuner, "decode", {be: (m, None) for be, m in modules.items()}, make_bench,
                     [(B, L) for B, L, *_ in shapes], explicit=True, release=memo.clear)

@@ -151,8 +151,8 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     ``cuda`` (the CUDA decode kernel wherever the scheme's CUDA macros serve the spec: int8, fp8, KIVI int4 and
     int2, 16-bit pages at the head dims they tile; Triton for every other op and spec, said in the summary line
     when verbose) or ``auto``: the package holds both and, before graphs are captured, the runtime decides which
-    decode kernel runs by timing them at the plan's shapes (with ``autotune``; once per GPU and kernel, persisted,
-    reused by later starts; the summary says which and why; every tp rank runs rank 0's choice). cuda needs a
+    decode kernel runs by timing them (:func:`decide_decode_kernel`, with ``autotune``; once per GPU and kernel,
+    persisted, reused by later starts; the summary says which and why; every tp rank runs rank 0's choice). cuda needs a
     CUDA device (EngineError otherwise, before anything loads); auto off a CUDA device is triton.
     """
     from kvgen.integrations.transformers import compile_for_model, plan_for_model

@@ -13,7 +13,6 @@ the backend choice and warm-up).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
@@ -178,7 +177,7 @@ class KernelConfigMixin:
         bucket smaller than L2 is timed cold, as a model's layer runs it.
         """
         from .autotune import bucket
-        from .kernel_timer import cold_page_tables
+        from .kernel_timer import cold_page_tables, cycling
         B, S = bucket(shape[0]), bucket(shape[-1])
         Q = min(bucket(shape[1]), S) if op != "decode" else 1
         dev, P = self.device, self.page_size
@@ -213,16 +212,10 @@ class KernelConfigMixin:
         t = memo[1]
         pools = t["pools"]
         mod = module if module is not None else self.kernels[op]
-        tables, turn = t["bts"], itertools.count()
         if op == "decode":
-            def call():
-                return mod.launch(t["q"], t["out"], pools, tables[next(turn) % len(tables)], t["seq_lens"],
-                                  t["ncomp"], self.sm_scale, config=config)
-        else:
-            def call():
-                # The chunk's own K/V fresh, as prefill(layer, q, k, v) -- the usual call -- runs the kernel.
-                return mod.launch(t["q"], t["out"], pools, tables[next(turn) % len(tables)], t["seq_lens"],
-                                  t["ncomp"], t["cu"], Q, self.sm_scale, config=config, k_new=t["k_new"],
-                                  v_new=t["v_new"])
-        call.cycle = len(tables)  # the timer captures whole turns (kernel_timer.graph_time_ms)
-        return call
+            return cycling(t["bts"], lambda bt: mod.launch(t["q"], t["out"], pools, bt, t["seq_lens"], t["ncomp"],
+                                                           self.sm_scale, config=config))
+        # The chunk's own K/V fresh, as prefill(layer, q, k, v) -- the usual call -- runs the kernel.
+        return cycling(t["bts"], lambda bt: mod.launch(t["q"], t["out"], pools, bt, t["seq_lens"], t["ncomp"], t["cu"],
+                                                       Q, self.sm_scale, config=config, k_new=t["k_new"],
+                                                       v_new=t["v_new"]))

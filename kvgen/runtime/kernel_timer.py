@@ -29,6 +29,7 @@ the timer falls back to do_bench (which flushes L2 itself). Off CUDA (the interp
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -115,6 +116,17 @@ def cold_page_tables(pool: Mapping[str, torch.Tensor], batch: int, pages: int, c
                           device=device)
     tables = [torch.cat([ids_c[i], unread_c, ids_r[i], unread_r], dim=1).contiguous() for i in range(copies)]
     return pool, tables
+
+
+def cycling(tables: list[torch.Tensor], launch: Callable[[torch.Tensor], Any]) -> Callable[[], Any]:
+    """A zero-argument call that runs ``launch(table)`` on each of ``tables`` in turn (those of
+    :func:`cold_page_tables`), with ``cycle`` set so that :func:`graph_time_ms` captures whole turns."""
+    turn = itertools.count()
+
+    def call() -> Any:
+        return launch(tables[next(turn) % len(tables)])
+    call.cycle = len(tables)
+    return call
 
 
 def do_bench_ms(fn: Callable[[], Any]) -> float:

@@ -105,7 +105,8 @@ class _Pool:
 class _Seq:
     # A C int array, not a list: every step copies each running sequence's table into one upload buffer
     # (step.build_step), and an array extends an array by memcpy where a list's ints convert one by one
-    # (0.8 ms of a 1.45 ms host step at 12 x 2,048 pages; benchmarks/results/2026-12-02-cpu-host-step/).
+    # (with the reservation shortcut, 1.0-1.8 -> 0.2-0.3 ms a host step at 12 x 2,048 pages on a CPU;
+    # benchmarks/results/2026-12-02-cpu-host-step/).
     table: array
     length: int
     num_compressed: int

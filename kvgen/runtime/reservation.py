@@ -109,8 +109,7 @@ class ReservationMixin:
                     # the general path is ~10x the host time, 32 sequences a step).
                     journal.append((J.SEQ, s, n0, s.num_compressed, len(s.hashes), s.pending, s.known))
                     slots.append(s.table[n0 // P] * P + n0 % P)
-                    s.length = n0 + 1
-                    s.num_compressed = -(-(n0 + 1) // P)
+                    s.length = n0 + 1  # num_compressed (ceil(length / P) without a residual pool) stays
                     if hashing:
                         s.pending = s.pending + tk  # a new list: the journal holds the old one
                     else:
