@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -187,6 +187,22 @@ if [ "$what" = engine-tuned ]; then
       --kernel-backend cuda --autotune $mode --out "$OUT/engine_step_$mode.json" >"$OUT/engine_step_$mode.log" 2>&1
     echo "engine step ($mode configs): exit $?"; grep '"kind"' "$OUT/engine_step_$mode.log" | cut -c1-300
   done
+fi
+if [ "$what" = staging ]; then
+  # About 9 minutes: the staged prefill per sequence (a chunk staged beside decode rows read in place) and
+  # staging as the quantized schemes' GPU default, on the GPU; the engine GPU tests the recheck's cut left
+  # unrun; then the KV-bound throughput (issue 14), where int4's 32K-token chunks ran in place beside 11
+  # decode rows (2026-12-02 recheck: 3.1 s a prompt against bf16's 1.5).
+  par=""; python3 -c "import xdist" 2>/dev/null && par="-n 8"
+  timeout 140 python3 -m pytest $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/kernels/test_prefill_staged.py tests/test_warmup.py >"$OUT/pytest-gpu-staging.log" 2>&1
+  echo "staged prefill + warm-up tests on the GPU: exit $? (124: cut)"; tail -3 "$OUT/pytest-gpu-staging.log"
+  timeout 140 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -v -rfE --tb=short \
+    tests/engine/test_gpu.py tests/engine/test_kernel_backend.py >"$OUT/pytest-gpu-engine.log" 2>&1
+  echo "engine GPU tests: exit $? (124: cut)"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-engine.log" | tail -12 | cut -c1-160
+  timeout 260 python3 -m benchmarks.engine --parts kvbound --no-hf --kv bf16,int4 --kernel-backend auto \
+    --out "$OUT/engine_kvbound_staged.json" >"$OUT/engine_kvbound_staged.log" 2>&1
+  echo "KV-bound (staged prefill, kernel_backend auto): exit $?"; grep '"kind"' "$OUT/engine_kvbound_staged.log" | cut -c1-300
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"

@@ -75,7 +75,8 @@ def test_scenarios_cover_every_variant_the_tuner_can_pick(monkeypatch):
 
 
 def test_a_staged_prefill_winner_warms_both_kernels_it_can_launch(monkeypatch, tmp_path):
-    """``staged`` 2 picks per launch between in place and staging: warm-up compiles both, each for real."""
+    """``staged`` 2 picks per step between in place and staging, and a mixed step stages only some sequences:
+    warm-up compiles every kernel variant this can launch, each for real."""
     monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path / "kvgen"))
     cache = make_cache("int4", max_tokens=256, num_layers=1)
     module = cache.kernels["prefill"]
@@ -87,18 +88,28 @@ def test_a_staged_prefill_winner_warms_both_kernels_it_can_launch(monkeypatch, t
     in_place = module.in_place_config(winner)
     assert in_place["pages_per_tile"] <= winner["pages_per_tile"] and in_place["staged"] == 0
     assert module.step_config(winner, [4], [256], fresh=True) == in_place  # a short chunk: in place
-    assert module.step_config(winner, [256], [1024], fresh=True) == dict(winner, staged=1)  # a long one: staged
-    todo = [s for s in scenarios(cache) if s.op == "prefill" and s.config in (in_place, dict(winner, staged=1))]
-    assert sorted(s.config["staged"] for s in todo) == [0, 1]
-    staged_launches = []
-    original = module._staging
+    assert module.step_config(winner, [256], [1024], fresh=True) == dict(winner, staged=1, stage_rows=(0,))  # long
+    staged, mixed = dict(winner, staged=1), dict(winner, staged=1, stage_rows=[0])
+    todo = [s for s in scenarios(cache) if s.op == "prefill" and s.config in (in_place, staged, mixed)]
+    assert sorted((s.config["staged"], s.batch) for s in todo) == [(0, 1), (1, 1), (1, 2)]
+    launches = []  # (kernel, SKIP_STAGED) of every attention launch
 
-    def spy(staged, *args):
-        staged_launches.append(original(staged, *args))
-        return staged_launches[-1]
-    monkeypatch.setattr(module, "_staging", spy)
+    def spy(name):
+        kernel = getattr(module, name)
+
+        class Spy:
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    launches.append((name, kwargs.get("SKIP_STAGED")))
+                    return kernel[grid](*args, **kwargs)
+                return run
+        monkeypatch.setattr(module, name, Spy())
+    spy("_prefill_kernel")
+    spy("_prefill_staged_kernel")
     report = warm_up(cache, force=True, only=todo)
-    assert report.skipped is None and sorted(staged_launches) == [False, True]
+    assert report.skipped is None
+    assert sorted(launches) == [("_prefill_kernel", False), ("_prefill_kernel", True),
+                                ("_prefill_staged_kernel", None), ("_prefill_staged_kernel", None)]
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -112,14 +123,15 @@ def test_the_staged_tile_is_not_run_in_place(scheme):
     spec = KernelSpec(op="prefill", scheme=scheme, head_dim=128, num_kv_heads=8, gqa_group=8, page_size=16,
                       compute_dtype="bfloat16", arch="sm_90")
     module = load_kernel(spec, default_registry().schemes[scheme])
-    staged = module.candidates(4, 8192, 8192)[1]
+    staged, in_place_default = module.candidates(4, 8192, 8192)[:2]
+    assert staged == module.default_config(4, 8192, 8192, "cuda")  # the default stages per step
     assert staged["staged"] == 2 and staged["pages_per_tile"] * 16 == 128 and staged["num_stages"] == 3
+    assert in_place_default["staged"] == 0 and in_place_default["pages_per_tile"] * 16 == 32
     in_place = module.in_place_config(staged)
-    default = module.default_config(4, 8192, 8192, "cuda")
-    assert in_place == dict(staged, staged=0, pages_per_tile=default["pages_per_tile"],
-                            num_stages=default["num_stages"])
+    assert in_place == dict(staged, staged=0, pages_per_tile=in_place_default["pages_per_tile"],
+                            num_stages=in_place_default["num_stages"])
     assert module.step_config(staged, [8], [8192], fresh=True) == in_place
-    assert module.in_place_config(default) == default  # an in-place config is left alone
+    assert module.in_place_config(in_place_default) == in_place_default  # an in-place config is left alone
 
 
 def _state(cache):

@@ -61,13 +61,14 @@ def main() -> int:
             max_pages = case.block_tables.shape[1]
             sk = torch.empty(B * max_pages, Hkv, bench_run.PAGE, D, dtype=q.dtype, device="cuda")
             sv = torch.empty_like(sk)
+            every_seq = torch.arange(B, dtype=torch.int32, device="cuda")  # staging slot b holds sequence b
             stage = lambda: mod._stage_kernel[(max_pages, B, Hkv)](  # noqa: E731
                 *[case.pools[n] for n in mod.POOL_TENSORS], case.block_tables, case.seq_lens, case.num_compressed,
-                cu, sk, sv, case.block_tables.stride(0), max_pages, FRESH=False)
+                cu, every_seq, sk, sv, case.block_tables.stride(0), max_pages, FRESH=False)
             ms = bench_run.bench(stage)
             print(f"{name:5} staging pass alone  {ms:.3f} ms", flush=True)
             del sk, sv
-            default = dict(mod.default_config(B, L, L, "cuda"), staged=0)
+            default = mod.in_place_config(mod.default_config(B, L, L, "cuda"))
             ms = bench_run.bench(lambda: run(default), rep_ms=100)
             print(f"{name:5} in place {default}  {ms:.3f} ms  x{sdpa_ms / ms:.3f} SDPA", flush=True)
         for cfg in configs():

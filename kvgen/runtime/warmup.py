@@ -195,15 +195,19 @@ def scenarios(cache: Any) -> list[Scenario]:
                     seen.add((key, count % 16 == 0))
                     out.append(Scenario("write", 1, 0, count, why="cache_write of many tokens (its own config)"))
     if "prefill" in cache.kernels:
-        # staged 2 picks per step between the in-place kernel and staging + the staged kernel: warm both
-        # (an in-place twin may be a default listed already)
+        # staged 2 picks per step between the in-place kernel and staging + the staged kernel, and stages
+        # only some sequences of a step (a chunk beside decode rows: both kernels, the in-place one
+        # skipping the staged sequences): warm all three (an in-place twin may be a default listed already)
         module = cache.kernels["prefill"]
         in_place = getattr(module, "in_place_config", lambda c: dict(c, staged=0))  # the tile it runs in place
-        forced = [c for cfg in prefill_configs(cache)
+        forced = [(1, c) for cfg in prefill_configs(cache)
                   for c in ([in_place(cfg), dict(cfg, staged=1)] if cfg.get("staged") else [cfg])]
-        for cfg in {json.dumps(c, sort_keys=True): c for c in forced}.values():
-            out.append(Scenario("prefill", 1, P, P, cfg, why="prefill of a fresh chunk over a cached prefix"
-                                + (" through the staging buffer" if cfg.get("staged") else "")))
+        forced += [(2, dict(cfg, staged=1, stage_rows=[0])) for cfg in prefill_configs(cache) if cfg.get("staged")]
+        for batch, cfg in {json.dumps(bc, sort_keys=True): bc for bc in forced}.values():
+            why = ("prefill of a fresh chunk over a cached prefix" if not cfg.get("staged") else
+                   "prefill of a fresh chunk through the staging buffer" if batch == 1 else
+                   "prefill staging one sequence of two, the other read in place")
+            out.append(Scenario("prefill", batch, P, P, cfg, why=why))
     return out
 
 

@@ -25,7 +25,7 @@ TRITON_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: 
 COMPUTE_POINTERS = {"q_ptr", "out_ptr", "rk_ptr", "rv_ptr", "kn_ptr", "vn_ptr", "sk_ptr", "sv_ptr"}
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 # (kernel, constexprs, warps, stages): the tiles the GPU candidates use at D=128, GQA 8
-KERNELS = (("_prefill_kernel", {"BLOCK_M": 16, "BLOCK_N": 32, "FRESH": True}, 8, 2),
+KERNELS = (("_prefill_kernel", {"BLOCK_M": 16, "BLOCK_N": 32, "FRESH": True, "SKIP_STAGED": True}, 8, 2),
            ("_prefill_staged_kernel", {"BLOCK_M": 16, "BLOCK_N": 32, "FRESH": True}, 8, 2),
            ("_prefill_staged_kernel", {"BLOCK_M": 16, "BLOCK_N": 64, "FRESH": True}, 8, 2),
            ("_stage_kernel", {"FRESH": True}, 4, 1))

@@ -95,42 +95,77 @@ def test_staged_sliding_window(scheme, kv):
 
 
 def test_step_config_stages_long_chunks_over_a_prefix_only():
-    """``staged`` 2 resolved per step from the per-sequence lengths; other configs pass through unchanged."""
+    """``staged`` 2 resolved per step and per sequence from the lengths; other configs pass through unchanged."""
     scheme = QUANTIZED[0].values[0]
     mod = _module(_one_case(scheme, gqa=2, num_kv_heads=1))
     cfg = {"block_m": 16, "pages_per_tile": 2, "num_warps": 4, "num_stages": 1, "staged": 2}
     chunk_over_prefix = mod.step_config(cfg, [512], [2048], True)
-    assert chunk_over_prefix == dict(cfg, staged=1)
-    assert mod.step_config(cfg, [2048], [2048], True)["staged"] == 0  # a first chunk: no prefix to read
-    assert mod.step_config(cfg, [2048], [2048], False)["staged"] == 1  # ... unless it reads itself back
+    assert chunk_over_prefix == dict(cfg, staged=1, stage_rows=(0,))
+    assert mod.step_config(cfg, [2048], [2048], True) == mod.in_place_config(cfg)  # a first chunk: no prefix
+    assert mod.step_config(cfg, [2048], [2048], False)["stage_rows"] == (0,)  # ... unless it reads itself back
     # decode rows (one query block each) beside a long chunk over no prefix: nothing is read twice
     assert mod.step_config(cfg, [2048] + [1] * 63, [2048] + [1024] * 63, True)["staged"] == 0
-    # a chunk over a prefix beside 63 decode rows of 1K (4,032 pages staged for nothing): a 1K chunk over 3K
-    # (192 pages read 64 times) still pays, a 256-token chunk over 3.8K (240 pages read 16 times) does not
-    assert mod.step_config(cfg, [1024] + [1] * 63, [4096] + [1024] * 63, True)["staged"] == 1
-    assert mod.step_config(cfg, [256] + [1] * 63, [4096] + [1024] * 63, True)["staged"] == 0
+    # a chunk over a prefix beside 63 decode rows of 1K: only the chunk is staged, however short, as long
+    # as its query blocks read the prefix at least 1 + STAGE_MIN_REUSE times
+    assert mod.step_config(cfg, [1] * 63 + [1024], [1024] * 63 + [4096], True)["stage_rows"] == (63,)
+    assert mod.step_config(cfg, [256] + [1] * 63, [4096] + [1024] * 63, True)["stage_rows"] == (0,)
+    assert mod.step_config(cfg, [32] + [1] * 3, [4096] + [1024] * 3, True)["staged"] == 0  # 2 blocks: in place
+    # several chunks: the one re-read most is first (a cut to the buffer's limit keeps it)
+    assert mod.step_config(cfg, [64, 1, 512, 128], [1024, 64, 4096, 2048], True)["stage_rows"] == (2, 3, 0)
     assert mod.step_config(cfg, [0, 0], [64, 64], True)["staged"] == 0  # nothing to attend
     for other in (dict(cfg, staged=0), dict(cfg, staged=1), None, {}):
         assert mod.step_config(other, [512], [2048], True) == other
 
 
-def test_staged_auto_rule_and_bad_value():
-    """``staged`` 2 without step facts stages a long chunk and not a decode-like step; bad values are refused."""
+def test_staged_auto_rule_and_bad_values():
+    """Without step facts ``staged`` 2 stages a long chunk's launch, not a decode-like one; the buffer's
+    limit keeps the first rows that fit; bad values are refused."""
     scheme = QUANTIZED[0].values[0]
     case = _one_case(scheme, gqa=2, num_kv_heads=1)
     mod = _module(case)
     q_long = torch.empty(4 * 128, 2, case.head_dim, dtype=case.dtype)
     q_decode = torch.empty(4, 2, case.head_dim, dtype=case.dtype)
-    assert mod._staging(2, q_long, 4, 8, 32)
-    assert not mod._staging(2, q_decode, 4, 8, 32)
-    assert mod._staging(1, q_decode, 4, 8, 32) and not mod._staging(0, q_long, 4, 8, 32)
-    too_many_pages = mod.STAGE_MAX_BYTES // (case.page_size * case.head_dim) + 1
-    assert not mod._staging(1, q_long, 4, too_many_pages, 32)
-    with pytest.raises(ValueError, match="staged"):
-        mod._staging(3, q_long, 4, 8, 32)
+    assert mod._stage_rows({"staged": 2}, q_long, 4, 8, 32) == (0, 1, 2, 3)
+    assert mod._stage_rows({"staged": 2}, q_decode, 4, 8, 32) == ()
+    assert mod._stage_rows({"staged": 1}, q_decode, 4, 8, 32) == (0, 1, 2, 3)
+    assert mod._stage_rows({"staged": 0}, q_long, 4, 8, 32) == ()
+    assert mod._stage_rows({"staged": 1, "stage_rows": [2, 0]}, q_long, 4, 8, 32) == (2, 0)
+    slot = 2 * case.page_size * case.head_dim * q_long.element_size()  # K and V of one page, one head
+    pages = mod.STAGE_MAX_BYTES // slot // 2 - 1  # two sequences' slots fit, three do not
+    assert mod._stage_rows({"staged": 1, "stage_rows": [3, 1, 0]}, q_long, 4, pages, 32) == (3, 1)
+    assert mod._stage_rows({"staged": 1}, q_long, 4, mod.STAGE_MAX_BYTES // slot + 1, 32) == ()
+    for bad in ({"staged": 3}, {"staged": 1, "stage_rows": [4]}, {"staged": 1, "stage_rows": [1, 1]}):
+        with pytest.raises(ValueError, match="staged|stage_rows"):
+            mod._stage_rows(bad, q_long, 4, 8, 32)
     n = 3 * case.page_size + 1
     launch, reference_fn = prepare_prefill(case, [n] * 2, [n] * 2, seed=43)
     hz.check(case, launch(dict(small_tiles(case), staged=2)), reference_fn(), "staged 2")
+
+
+@pytest.mark.parametrize("scheme", QUANTIZED)
+@pytest.mark.parametrize("kv", ["pages", "fresh"])
+def test_staging_some_sequences_reads_the_others_in_place(scheme, kv, monkeypatch):
+    """A step that stages some sequences (step_config's ``stage_rows``, or the buffer's limit cutting them)
+    runs the staged kernel for those and the in-place kernel for the rest: every row right, each written by
+    exactly one of them (outputs and staging buffers start as NaN; a row neither kernel writes stays NaN)."""
+    case = _one_case(scheme, gqa=2, num_kv_heads=1)
+    mod = _module(case)
+    lengths = _long_lengths(case)
+    qlens = [lengths[0], 1, min(2 * case.page_size + 1, lengths[2]), 0]
+    launch, reference_fn = prepare_prefill(case, lengths, qlens, seed=53, fresh=kv == "fresh")
+    ref = reference_fn()
+    cfg = small_tiles(case)
+    stage_calls = []
+    original = mod._stage_rows
+    monkeypatch.setattr(mod, "_stage_rows", lambda *a: stage_calls.append(original(*a)) or stage_calls[-1])
+    for rows in ([2], [0], [2, 0], [1, 3]):
+        hz.check(case, launch(dict(cfg, staged=1, stage_rows=rows)), ref, f"staged rows {rows}, kv {kv}")
+    # the buffer's limit: room for one sequence's slot, so only the first row is staged
+    max_pages = max(-(-n // case.page_size) for n in lengths)  # the block table's width
+    slot = 2 * max_pages * case.page_size * case.head_dim * torch.empty((), dtype=case.dtype).element_size()
+    monkeypatch.setattr(mod, "STAGE_MAX_BYTES", slot + slot // 2)
+    hz.check(case, launch(dict(cfg, staged=1, stage_rows=[2, 0])), ref, f"staging cut to one row, kv {kv}")
+    assert stage_calls == [(2,), (0,), (2, 0), (1, 3), (2,)]
 
 
 def test_a_failed_staging_allocation_reads_in_place(monkeypatch):
@@ -146,4 +181,4 @@ def test_float_schemes_never_stage():
     case = _one_case("fp32" if hz.on_cpu() else "bf16", gqa=2, num_kv_heads=1)
     mod = _module(case)
     assert not mod.STAGEABLE and not hasattr(mod, "_stage_kernel")
-    assert not mod._staging(1, torch.empty(256, 2, case.head_dim), 2, 4, 16)
+    assert mod._stage_rows({"staged": 1}, torch.empty(256, 2, case.head_dim), 2, 4, 16) == ()
