@@ -175,6 +175,8 @@ if [ "$what" = ncu ]; then
     echo "ncu $s $b: exit $?"; grep -v "^==PROF==" "$OUT/ncu-$s-$b.err" | tail -2
   done
   python3 -m benchmarks.experiments.ncu_decode summary "$OUT"/ncu-*.csv | tee "$OUT/ncu-summary.txt"
+  # one archive: the device tool brings back only a few files a call
+  tar czf "$OUT/ncu.tgz" -C "$OUT" $(cd "$OUT" && ls ncu-*) && (cd "$OUT" && rm -f ncu-*.csv ncu-*.err)
 fi
 if [ "$what" = engine-tuned ]; then
   # About 8 minutes: issue 14's step goals with tuned decode configs. The graphs take the runtime's config for

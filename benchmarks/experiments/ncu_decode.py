@@ -101,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     shape = tuple(int(x) for x in args.shape.split(","))
     B, L, Hq, Hkv, D = shape
     os.environ.setdefault("KVGEN_CACHE_DIR", os.path.join(args.work, "cache"))
+    # No warm-up at load: its decode launches (small scratch shapes) would be the ones ncu profiles.
+    os.environ["KVGEN_WARMUP"] = "0"
     pkg, _, res = _compile(args.scheme, args.backend, B, L, Hq, Hkv, D, os.path.join(args.work, "pkgs"))
     runs = getattr(pkg.KERNELS["decode"], "BACKEND", "triton")
     if runs != args.backend:
