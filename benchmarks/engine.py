@@ -58,7 +58,7 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-KERNEL_BACKEND = "triton"
+KERNEL_BACKEND = "auto"
 """The kvgen engines' kernel language (``--kernel-backend``; recorded in the JSON's top level)."""
 
 
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
                          "decode-phase figures then blur a phase change, see benchmarks/offline.py)")
     from kvgen.engine.config import ENGINE_BACKENDS
 
-    ap.add_argument("--kernel-backend", default="triton", choices=ENGINE_BACKENDS,
+    ap.add_argument("--kernel-backend", default="auto", choices=ENGINE_BACKENDS,
                     help="the kvgen engines' kernels (cuda: the CUDA decode kernel where the scheme has one)")
     ap.add_argument("--autotune", choices=("cached", "sync"), default=None,
                     help="KVGEN_AUTOTUNE for the kvgen engines: cached (the default a user gets: remembered winners, "

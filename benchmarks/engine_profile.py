@@ -155,7 +155,7 @@ def main(argv=None) -> int:
                     help="also time graph steps with the engine's async scheduling (graph_async_ms)")
     from kvgen.engine.config import ENGINE_BACKENDS
 
-    ap.add_argument("--kernel-backend", default="triton", choices=ENGINE_BACKENDS,
+    ap.add_argument("--kernel-backend", default="auto", choices=ENGINE_BACKENDS,
                     help="the decode kernel's language, as benchmarks.engine --kernel-backend")
     args = ap.parse_args(argv)
     bench_engine.KERNEL_BACKEND = args.kernel_backend

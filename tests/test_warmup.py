@@ -90,7 +90,14 @@ def test_a_staged_prefill_winner_warms_both_kernels_it_can_launch(monkeypatch, t
     assert module.step_config(winner, [4], [256], fresh=True) == in_place  # a short chunk: in place
     assert module.step_config(winner, [256], [1024], fresh=True) == dict(winner, staged=1, stage_rows=(0,))  # long
     staged, mixed = dict(winner, staged=1), dict(winner, staged=1, stage_rows=[0])
-    todo = [s for s in scenarios(cache) if s.op == "prefill" and s.config in (in_place, staged, mixed)]
+    # a winner for 2-token chunks (one query block: step_config never stages it) warms only its in-place twin
+    short = next(c for c in module.candidates(8, 2, 1024) if c.get("staged") == 2)
+    assert short["block_m"] < winner["block_m"]
+    _persist(cache, "prefill", "prefill/b8/q2/s1024", short)
+    prefill = [s for s in scenarios(cache) if s.op == "prefill"]
+    assert not [s for s in prefill if s.config.get("staged") and s.config["block_m"] == short["block_m"]]
+    assert module.in_place_config(short) in [s.config for s in prefill]
+    todo = [s for s in prefill if s.config in (in_place, staged, mixed)]
     assert sorted((s.config["staged"], s.batch) for s in todo) == [(0, 1), (1, 1), (1, 2)]
     launches = []  # (kernel, SKIP_STAGED) of every attention launch
 

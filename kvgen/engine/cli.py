@@ -48,11 +48,11 @@ def add_speed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action="store_true",
                    help="plan each decode step while the device runs the one before (faster steps on a GPU; "
                         "not with --tp above 1 or --host-tokens)")
-    p.add_argument("--backend", default="triton", choices=ENGINE_BACKENDS,
-                   help="kernel language, as in 'kvgen compile': triton (default), cuda (the CUDA decode kernel "
-                        "where the scheme has one: faster int8/fp8/int4/int2 KV on a GPU; needs nvcc once, to build "
-                        "it) or auto (both; the decode kernel that times faster on this GPU runs, timed once at start "
-                        "and remembered; triton off a GPU)")
+    p.add_argument("--backend", default="auto", choices=ENGINE_BACKENDS,
+                   help="kernel language, as in 'kvgen compile': auto (default: both; the decode kernel that times "
+                        "faster on this GPU runs, timed once at start and remembered; triton off a GPU or without "
+                        "nvcc), triton, or cuda (the CUDA decode kernel where the scheme has one: faster "
+                        "int8/fp8/int4/int2 KV on a GPU; needs nvcc once, to build it)")
 
 
 def host_tokens_arg(text: str) -> int | str:
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
               max_tokens=args.cache_tokens, device=args.device, enforce_eager=args.enforce_eager, max_num_seqs=1,
               tp=getattr(args, "tp", 1), host_tokens=getattr(args, "host_tokens", None),
               async_scheduling=getattr(args, "async_scheduling", False),
-              kernel_backend=getattr(args, "backend", "triton"))
+              kernel_backend=getattr(args, "backend", "auto"))
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)

@@ -90,7 +90,7 @@ def check_kernel_backend(backend: str, device: torch.device) -> str:
         return "triton" if backend == "auto" and getattr(torch.version, "hip", None) else backend
     if backend == "cuda":
         raise EngineError(f"the {backend} kernel backend runs CUDA kernels; the engine is on {device}: use "
-                          "--backend triton (kernel_backend='triton', the default) or auto there")
+                          "--backend auto (kernel_backend='auto', the default) or triton there")
     return "triton"
 
 
@@ -119,7 +119,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
                  autotune: bool = True, verbose: bool = True, tp: int = 1, host_tokens: int | str | None = None,
                  staging_tokens: int | None = None, preemption_mode: str | None = None,
                  gguf_file: str | Path | None = None, async_scheduling: bool = False,
-                 kernel_backend: str = "triton") -> LLMEngine:
+                 kernel_backend: str = "auto") -> LLMEngine:
     """An engine for the model folder ``model`` (or, with ``config=`` a config.json dict, random weights).
 
     ``model`` may also be a ``.gguf`` file, or a folder with ``gguf_file``
@@ -147,13 +147,14 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
     each steady decode step while the device runs the previous one (a
     one-step lag, as vLLM V1's; see :attr:`LLMEngine.async_scheduling`);
     needs ``tp=1`` and no host tier (EngineError otherwise, before anything loads).
-    ``kernel_backend``: the kernels' language, as ``kvgen compile --backend``: ``triton`` (default),
+    ``kernel_backend``: the kernels' language, as ``kvgen compile --backend``: ``triton``,
     ``cuda`` (the CUDA decode kernel wherever the scheme's CUDA macros serve the spec: int8, fp8, KIVI int4 and
     int2, 16-bit pages at the head dims they tile; Triton for every other op and spec, said in the summary line
-    when verbose) or ``auto``: the package holds both and, before graphs are captured, the runtime decides which
+    when verbose) or ``auto`` (default): the package holds both and, before graphs are captured, the runtime decides which
     decode kernel runs by timing them (:func:`decide_decode_kernel`, with ``autotune``; once per GPU and kernel,
     persisted, reused by later starts; the summary says which and why; every tp rank runs rank 0's choice). cuda needs a
-    CUDA device (EngineError otherwise, before anything loads); auto off a CUDA device is triton.
+    CUDA device (EngineError otherwise, before anything loads); auto off a CUDA device (and on ROCm) is triton,
+    and without nvcc (nor a build of the kernel in the build cache) runs Triton after one warning.
     """
     from kvgen.integrations.transformers import compile_for_model, plan_for_model
     from kvgen.runtime import default_device

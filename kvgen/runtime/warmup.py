@@ -101,8 +101,9 @@ def _pow2_upto(n: int, start: int = 1) -> list[int]:
     return out
 
 
-def _persisted(cache: Any, op: str, sizes_of) -> list[dict[str, Any]]:
-    """Valid winners persisted for ``op``'s kernel (what config() would return for tuned buckets)."""
+def _persisted(cache: Any, op: str, sizes_of, with_sizes: bool = False) -> list[Any]:
+    """Valid winners persisted for ``op``'s kernel (what config() would return for tuned buckets);
+    ``with_sizes``: as ``(bucket sizes, config)`` pairs."""
     tuner: Autotuner = cache.autotuner
     module = cache.kernels[op]
     if tuner.mode == "off":
@@ -116,7 +117,7 @@ def _persisted(cache: Any, op: str, sizes_of) -> list[dict[str, Any]]:
         except ValueError:
             continue
         if valid_config(entry["config"], module, sizes, cache.device):
-            out.append(dict(entry["config"]))
+            out.append((sizes, dict(entry["config"])) if with_sizes else dict(entry["config"]))
     return out
 
 
@@ -144,17 +145,26 @@ def decode_variants(cache: Any) -> list[dict[str, Any]]:
 
 def prefill_configs(cache: Any) -> list[dict[str, Any]]:
     """Distinct compiled prefill configs: its default over power-of-two buckets, and persisted winners."""
+    return [cfg for cfg, _ in _prefill_configs_and_queries(cache)]
+
+
+def _prefill_configs_and_queries(cache: Any) -> list[tuple[dict[str, Any], int]]:
+    """:func:`prefill_configs`, each with the most query tokens of a bucket it serves."""
     module, tuner = cache.kernels["prefill"], cache.autotuner
     limit = bucket(_context_limit(cache))
-    seen: dict[tuple, dict[str, Any]] = {}
+    seen: dict[tuple, tuple[dict[str, Any], int]] = {}
+
+    def add(cfg: dict[str, Any], q: int) -> None:
+        key = _compiled(cfg)
+        seen[key] = (seen[key][0], max(seen[key][1], q)) if key in seen else (dict(cfg), q)
     for b in _pow2_upto(MAX_BATCH):
         for q in _pow2_upto(limit):
             for s in _pow2_upto(limit, q):
                 cfg = tuner.default(module, (b, q, s), "prefill")
                 if cfg:
-                    seen.setdefault(_compiled(cfg), dict(cfg))
-    for cfg in _persisted(cache, "prefill", Autotuner.shape_of):
-        seen.setdefault(_compiled(cfg), dict(cfg))
+                    add(cfg, q)
+    for sizes, cfg in _persisted(cache, "prefill", Autotuner.shape_of, with_sizes=True):
+        add(cfg, int(sizes[1]))
     return list(seen.values())
 
 
@@ -198,11 +208,23 @@ def scenarios(cache: Any) -> list[Scenario]:
         # staged 2 picks per step between the in-place kernel and staging + the staged kernel, and stages
         # only some sequences of a step (a chunk beside decode rows: both kernels, the in-place one
         # skipping the staged sequences): warm all three (an in-place twin may be a default listed already)
+        # (staged variants only for configs of buckets whose chunks can stage: one query block never does)
         module = cache.kernels["prefill"]
         in_place = getattr(module, "in_place_config", lambda c: dict(c, staged=0))  # the tile it runs in place
-        forced = [(1, c) for cfg in prefill_configs(cache)
-                  for c in ([in_place(cfg), dict(cfg, staged=1)] if cfg.get("staged") else [cfg])]
-        forced += [(2, dict(cfg, staged=1, stage_rows=[0])) for cfg in prefill_configs(cache) if cfg.get("staged")]
+        refine = getattr(module, "step_config", None)
+
+        def can_stage(cfg: dict[str, Any], q: int) -> bool:
+            if refine is None or int(cfg.get("staged", 0)) != 2:
+                return bool(cfg.get("staged"))
+            return int(refine(cfg, [q], [2 * q], True).get("staged", 0)) == 1
+        forced: list[tuple[int, dict[str, Any]]] = []
+        for cfg, q in _prefill_configs_and_queries(cache):
+            if not cfg.get("staged"):
+                forced.append((1, cfg))
+                continue
+            forced.append((1, in_place(cfg)))
+            if can_stage(cfg, q):
+                forced += [(1, dict(cfg, staged=1)), (2, dict(cfg, staged=1, stage_rows=[0]))]
         for batch, cfg in {json.dumps(bc, sort_keys=True): bc for bc in forced}.values():
             why = ("prefill of a fresh chunk over a cached prefix" if not cfg.get("staged") else
                    "prefill of a fresh chunk through the staging buffer" if batch == 1 else

@@ -37,7 +37,7 @@ def test_check_kernel_backend_says_what_runs_where():
     assert [check_kernel_backend(b, gpu) for b in ("triton", "cuda", "auto")] == ["triton", "cuda", "auto"]
     assert check_kernel_backend("triton", cpu) == check_kernel_backend("auto", cpu) == "triton"  # no nvcc off a GPU
     with pytest.raises(EngineError, match="the cuda kernel backend runs CUDA kernels; the engine is on cpu: use "
-                                          "--backend triton"):
+                                          "--backend auto"):
         check_kernel_backend("cuda", cpu)
     for bad in ("opencl", "Auto", None):
         with pytest.raises(EngineError, match=f"kernel backend must be triton, cuda or auto, got {bad!r}"):
@@ -53,9 +53,13 @@ def test_auto_on_rocm_is_triton(monkeypatch):
     assert check_kernel_backend("auto", gpu) == "triton" and check_kernel_backend("cuda", gpu) == "cuda"
 
 
-@pytest.mark.parametrize("backend", ["cuda", "auto"])
+@pytest.mark.parametrize("backend", ["cuda", "triton", "auto", None])
 def test_cli_backend_reaches_the_engine(monkeypatch, backend):
-    """``kvgen generate --backend cuda|auto`` hands kernel_backend to the engine (which decides what runs)."""
+    """``kvgen generate --backend cuda|triton|auto`` hands kernel_backend to the engine (which decides what
+    runs); without the flag it is auto, as build_engine's default."""
+    import inspect
+
+    from kvgen.engine.loader import build_engine
     from kvgen.cli import main
 
     seen = {}
@@ -71,8 +75,9 @@ def test_cli_backend_reaches_the_engine(monkeypatch, backend):
 
     monkeypatch.setattr(llm_module, "LLM", fake_llm)
     with pytest.raises(Stop):
-        main(["generate", "--model", str(STORIES), "--prompt", "hi", "--backend", backend])
-    assert seen["kernel_backend"] == backend
+        main(["generate", "--model", str(STORIES), "--prompt", "hi"] + (["--backend", backend] if backend else []))
+    assert seen["kernel_backend"] == (backend or "auto")
+    assert inspect.signature(build_engine).parameters["kernel_backend"].default == "auto"
 
 
 def test_cuda_and_auto_packages_live_beside_the_triton_one(tmp_path, monkeypatch):

@@ -28,6 +28,7 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 KERNELS = (("_prefill_kernel", {"BLOCK_M": 16, "BLOCK_N": 32, "FRESH": True, "SKIP_STAGED": True}, 8, 2),
            ("_prefill_staged_kernel", {"BLOCK_M": 16, "BLOCK_N": 32, "FRESH": True}, 8, 2),
            ("_prefill_staged_kernel", {"BLOCK_M": 16, "BLOCK_N": 64, "FRESH": True}, 8, 2),
+           ("_prefill_staged_kernel", {"BLOCK_M": 16, "BLOCK_N": 128, "FRESH": True}, 8, 3),  # the GPU default
            ("_stage_kernel", {"FRESH": True}, 4, 1))
 
 

@@ -158,6 +158,7 @@ def test_staging_some_sequences_reads_the_others_in_place(scheme, kv, monkeypatc
     stage_calls = []
     original = mod._stage_rows
     monkeypatch.setattr(mod, "_stage_rows", lambda *a: stage_calls.append(original(*a)) or stage_calls[-1])
+    poison_staged_pages_before_the_in_place_launch(mod, monkeypatch)
     for rows in ([2], [0], [2, 0], [1, 3]):
         hz.check(case, launch(dict(cfg, staged=1, stage_rows=rows)), ref, f"staged rows {rows}, kv {kv}")
     # the buffer's limit: room for one sequence's slot, so only the first row is staged
@@ -166,6 +167,38 @@ def test_staging_some_sequences_reads_the_others_in_place(scheme, kv, monkeypatc
     monkeypatch.setattr(mod, "STAGE_MAX_BYTES", slot + slot // 2)
     hz.check(case, launch(dict(cfg, staged=1, stage_rows=[2, 0])), ref, f"staging cut to one row, kv {kv}")
     assert stage_calls == [(2,), (0,), (2, 0), (1, 3), (2,)]
+
+
+def poison_staged_pages_before_the_in_place_launch(mod, monkeypatch):
+    """The in-place launch beside a staged one finds the staged sequences' pages NaN (restored after it): a
+    staged sequence it does not skip comes out NaN, so each row is written by exactly one of the kernels."""
+    kernel, n = mod._prefill_kernel, len(mod.POOL_TENSORS)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                if not kwargs.get("SKIP_STAGED"):
+                    return kernel[grid](*args, **kwargs)
+                pools = dict(zip(mod.POOL_TENSORS, args[2:2 + n]))
+                tables, seq_lens = args[2 + n], args[3 + n].tolist()
+                num_compressed, slots = args[4 + n].tolist(), args[6 + n].tolist()
+                saved = {name: t.clone() for name, t in pools.items() if t.is_floating_point()}
+                poisoned = 0
+                for b, slot in enumerate(slots):
+                    pages = tables[b].tolist()[:-(-seq_lens[b] // mod.PAGE)] if slot >= 0 else []
+                    for j, page in enumerate(pages):
+                        for name in ("rk", "rv") if mod.RESIDUAL and j >= num_compressed[b] else mod.COMPRESSED_TENSORS:
+                            if name in saved:
+                                pools[name][page] = float("nan")
+                                poisoned += 1
+                assert poisoned or not any(s >= 0 and seq_lens[b] for b, s in enumerate(slots))
+                try:
+                    return kernel[grid](*args, **kwargs)
+                finally:
+                    for name, t in saved.items():
+                        pools[name].copy_(t)
+            return run
+    monkeypatch.setattr(mod, "_prefill_kernel", Spy())
 
 
 def test_a_failed_staging_allocation_reads_in_place(monkeypatch):
