@@ -46,6 +46,7 @@ import torch
 from benchmarks.offline import run_offline
 from benchmarks.run import copy_bandwidth
 from kvgen.atomic import write_atomic
+from kvgen.engine.config import DEFAULT_ENGINE_BACKEND
 
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
@@ -58,7 +59,7 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-KERNEL_BACKEND = "auto"
+KERNEL_BACKEND = DEFAULT_ENGINE_BACKEND
 """The kvgen engines' kernel language (``--kernel-backend``; recorded in the JSON's top level)."""
 
 
@@ -302,7 +303,7 @@ def main(argv=None) -> int:
                          "decode-phase figures then blur a phase change, see benchmarks/offline.py)")
     from kvgen.engine.config import ENGINE_BACKENDS
 
-    ap.add_argument("--kernel-backend", default="auto", choices=ENGINE_BACKENDS,
+    ap.add_argument("--kernel-backend", default=DEFAULT_ENGINE_BACKEND, choices=ENGINE_BACKENDS,
                     help="the kvgen engines' kernels (cuda: the CUDA decode kernel where the scheme has one)")
     ap.add_argument("--autotune", choices=("cached", "sync"), default=None,
                     help="KVGEN_AUTOTUNE for the kvgen engines: cached (the default a user gets: remembered winners, "

@@ -153,9 +153,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/engine_profile.json")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="also time graph steps with the engine's async scheduling (graph_async_ms)")
-    from kvgen.engine.config import ENGINE_BACKENDS
+    from kvgen.engine.config import DEFAULT_ENGINE_BACKEND, ENGINE_BACKENDS
 
-    ap.add_argument("--kernel-backend", default="auto", choices=ENGINE_BACKENDS,
+    ap.add_argument("--kernel-backend", default=DEFAULT_ENGINE_BACKEND, choices=ENGINE_BACKENDS,
                     help="the decode kernel's language, as benchmarks.engine --kernel-backend")
     args = ap.parse_args(argv)
     bench_engine.KERNEL_BACKEND = args.kernel_backend

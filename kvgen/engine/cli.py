@@ -43,12 +43,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def add_speed_args(p: argparse.ArgumentParser) -> None:
     """The engine options of ``kvgen generate`` and ``kvgen serve`` that change speed, not results."""
-    from kvgen.engine.config import ENGINE_BACKENDS  # light: no torch
+    from kvgen.engine.config import DEFAULT_ENGINE_BACKEND, ENGINE_BACKENDS  # light: no torch
 
     p.add_argument("--async-scheduling", action="store_true",
                    help="plan each decode step while the device runs the one before (faster steps on a GPU; "
                         "not with --tp above 1 or --host-tokens)")
-    p.add_argument("--backend", default="auto", choices=ENGINE_BACKENDS,
+    p.add_argument("--backend", default=DEFAULT_ENGINE_BACKEND, choices=ENGINE_BACKENDS,
                    help="kernel language, as in 'kvgen compile': auto (default: both; the decode kernel that times "
                         "faster on this GPU runs, timed once at start and remembered; triton off a GPU or without "
                         "nvcc), triton, or cuda (the CUDA decode kernel where the scheme has one: faster "
@@ -69,6 +69,7 @@ def host_tokens_arg(text: str) -> int | str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .config import DEFAULT_ENGINE_BACKEND
     from .llm import LLM
     from .sampling_params import SamplingParams
 
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
               max_tokens=args.cache_tokens, device=args.device, enforce_eager=args.enforce_eager, max_num_seqs=1,
               tp=getattr(args, "tp", 1), host_tokens=getattr(args, "host_tokens", None),
               async_scheduling=getattr(args, "async_scheduling", False),
-              kernel_backend=getattr(args, "backend", "auto"))
+              kernel_backend=getattr(args, "backend", DEFAULT_ENGINE_BACKEND))
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)

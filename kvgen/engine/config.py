@@ -19,8 +19,12 @@ ENGINE_BACKENDS = ("triton", "cuda", "auto")
 """The kernel languages the engine runs (``kernel_backend``, ``--backend``): ``triton``, ``cuda`` (the CUDA decode
 kernel where the scheme has one), or ``auto``: the package holds both, and at start the engine asks the runtime to
 decide the decode kernel by timing them (``cache.choose_backend``), once per GPU and kernel, persisted beside the
-tuned configs (later starts reuse it), before any CUDA graph is captured. On a non-CUDA device ``auto`` means
-``triton``: nothing is built with nvcc."""
+tuned configs (later starts reuse it), before any CUDA graph is captured. ``auto`` means ``triton`` on a non-CUDA
+device and on ROCm (nothing is built with nvcc); where the CUDA kernel cannot be built (no nvcc, no build of it in
+the build cache) the runtime skips it with a warning and runs Triton; with autotuning off, a remembered choice or
+Triton runs."""
+DEFAULT_ENGINE_BACKEND = "auto"
+"""``kernel_backend``'s default (``LLM``, ``build_engine``, ``kvgen generate``/``serve --backend``)."""
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")

@@ -25,7 +25,7 @@ import torch
 from kvgen.planner.workload import COMPUTE_DTYPES
 
 from . import gguf
-from .config import ENGINE_BACKENDS, ModelConfig
+from .config import DEFAULT_ENGINE_BACKEND, ENGINE_BACKENDS, ModelConfig
 from .engine import LLMEngine, async_scheduling_error
 from .errors import EngineError
 from .runner import ModelRunner
@@ -79,7 +79,8 @@ def _eos_ids(folder: Path | None, cfg: ModelConfig, tokenizer: Any) -> set[int]:
 def check_kernel_backend(backend: str, device: torch.device) -> str:
     """EngineError unless the engine can run ``backend``'s kernels on ``device``; returns the backend to compile.
 
-    ``auto`` on a non-CUDA device is ``triton`` (its CUDA variant could not run there: nothing is built with nvcc).
+    ``auto`` on a non-CUDA device, and on ROCm, is ``triton`` (its CUDA variant could not run there: nothing is
+    built with nvcc).
     """
     if backend not in ENGINE_BACKENDS:
         raise EngineError(f"kernel backend must be {', '.join(ENGINE_BACKENDS[:-1])} or {ENGINE_BACKENDS[-1]}, "
@@ -119,7 +120,7 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
                  autotune: bool = True, verbose: bool = True, tp: int = 1, host_tokens: int | str | None = None,
                  staging_tokens: int | None = None, preemption_mode: str | None = None,
                  gguf_file: str | Path | None = None, async_scheduling: bool = False,
-                 kernel_backend: str = "auto") -> LLMEngine:
+                 kernel_backend: str = DEFAULT_ENGINE_BACKEND) -> LLMEngine:
     """An engine for the model folder ``model`` (or, with ``config=`` a config.json dict, random weights).
 
     ``model`` may also be a ``.gguf`` file, or a folder with ``gguf_file``
@@ -244,7 +245,8 @@ def build_engine(model: str | Path | None = None, *, kv: str = "int8", dtype: An
               f"{_host_summary(cache)}", file=sys.stderr)
         if kernel_backend != "triton":  # say where the CUDA kernels do not serve this plan
             for note in compile_notes:
-                if note.startswith("decode ") or "nvcc" in note:
+                # auto without nvcc: the decode choice below says what runs instead (and the runtime warned)
+                if note.startswith("decode ") or ("nvcc" in note and kernel_backend == "cuda"):
                     print(f"kvgen: {note}", file=sys.stderr)
         if decode_choice is not None:
             print(f"kvgen: decode kernel: {decode_choice.why}", file=sys.stderr)

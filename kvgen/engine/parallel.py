@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from .config import DEFAULT_ENGINE_BACKEND
 from .errors import EngineError
 
 # Never let NCCL or PyTorch use NVLink multicast (it can take a shared host's GPUs down).
@@ -75,7 +76,7 @@ class RankSpec:
     max_num_seqs: int
     use_graphs: bool
     host_tier: dict | None = None  # the runtime load's host_tokens/staging_tokens ({} or None: no host tier)
-    kernel_backend: str = "triton"  # the package's kernel language (rank 0 compiled it: the ranks import it)
+    kernel_backend: str = DEFAULT_ENGINE_BACKEND  # the package's kernel language (rank 0 compiled it: the ranks import it)
     kernel_choice: dict | None = None  # an auto package: op -> the backend rank 0 runs (see load_cache)
 
 
