@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -205,6 +205,22 @@ if [ "$what" = staging ]; then
   timeout 260 python3 -m benchmarks.engine --parts kvbound --no-hf --kv bf16,int4 --kernel-backend auto \
     --out "$OUT/engine_kvbound_staged.json" >"$OUT/engine_kvbound_staged.log" 2>&1
   echo "KV-bound (staged prefill, kernel_backend auto): exit $?"; grep '"kind"' "$OUT/engine_kvbound_staged.log" | cut -c1-300
+fi
+if [ "$what" = auto-default ]; then
+  # About 9 minutes, for the session after 2026-12-02's sixth set: the engine's GPU tests under the new default
+  # (kernel_backend auto; they last ran with Triton as the default), then issue 14's steps as a user gets them
+  # (default backend, async scheduling, a fresh cache folder: the autotuner's model configs), then with every
+  # config the engine looks up timed on first use (KVGEN_AUTOTUNE=sync, into the same folder).
+  par=""; python3 -c "import xdist" 2>/dev/null && par="-n 8"
+  timeout 150 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -v -rfE --tb=short \
+    tests/engine/test_gpu.py tests/engine/test_kernel_backend.py >"$OUT/pytest-gpu-engine-auto.log" 2>&1
+  echo "engine GPU tests (default auto): exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-engine-auto.log" | tail -6 | cut -c1-160
+  export KVGEN_CACHE_DIR=/tmp/kvgen-cache-auto-default
+  for mode in cached sync; do
+    timeout 190 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-scheduling \
+      --autotune $mode --out "$OUT/engine_step_auto_$mode.json" >"$OUT/engine_step_auto_$mode.log" 2>&1
+    echo "engine step (auto, $mode configs): exit $?"; grep '"kind"' "$OUT/engine_step_auto_$mode.log" | cut -c1-300
+  done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"
