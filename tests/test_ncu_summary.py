@@ -34,6 +34,15 @@ def test_summary_reads_the_raw_page_among_other_output(tmp_path, capsys):
     assert main(["summary", str(path)]) == 0 and "decode_kernel<4, 3>" in capsys.readouterr().out
 
 
+def test_kernel_times_are_given_in_microseconds_whatever_unit_ncu_picked(tmp_path):
+    """ncu's raw page gives durations in its own unit (on the H200, 94,976 ns for a 95 µs launch)."""
+    path = tmp_path / "int4-cuda.csv"
+    for unit, value, shown in (("ns", "94,976", "94.98"), ("msecond", "0.5", "500.00"), ("usecond", "96.35", "96.35")):
+        path.write_text(_csv([HEADER, [u if u != "usecond" else unit for u in UNITS],
+                              [v if v != "96.35" else value for v in ROW]]))
+        assert f"time_us={shown}" in summarize(str(path))
+
+
 def test_a_run_that_profiled_nothing_says_so(tmp_path):
     path = tmp_path / "empty.csv"
     path.write_text("==PROF== No kernels were profiled.\n")

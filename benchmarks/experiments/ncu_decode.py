@@ -59,25 +59,40 @@ def _number(text: str) -> float | None:
 def read_raw(path: str) -> list[dict[str, str]]:
     """The kernel rows of an ``ncu --csv --page raw`` output (its header row, a units row, then one row per
     profiled kernel); lines the profiler or the program printed around them are skipped."""
+    return _read(path)[1]
+
+
+def _read(path: str) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """(metric -> unit, kernel rows) of an ``ncu --csv --page raw`` output."""
     with open(path, newline="", encoding="utf-8", errors="replace") as f:
         lines = [line for line in f if line.startswith('"')]
     rows = list(csv.reader(lines))
     if len(rows) < 3:
-        return []
+        return {}, []
     header = rows[0]
-    return [dict(zip(header, r)) for r in rows[2:] if len(r) == len(header)]
+    return dict(zip(header, rows[1])), [dict(zip(header, r)) for r in rows[2:] if len(r) == len(header)]
+
+
+TIME_UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6,
+              "second": 1e6}
+"""ncu's duration units in µs (its raw page reports kernel times in whichever it picks: "ns" on the H200)."""
 
 
 def summarize(path: str) -> str:
     """One block of text per profiled kernel of ``path``."""
     out = []
-    for row in read_raw(path):
+    units, rows = _read(path)
+    for row in rows:
         parts = [os.path.basename(path)]
         for label, pattern in FIELDS:
             rx = re.compile(pattern)
-            value = next((v for k, v in row.items() if rx.match(k)), None)
-            if value is not None:
-                parts.append(f"{label}={value[:60]}")
+            key = next((k for k in row if rx.match(k)), None)
+            if key is None:
+                continue
+            value = row[key]
+            if label == "time_us" and _number(value) is not None and units.get(key) in TIME_UNITS:
+                value = f"{_number(value) * TIME_UNITS[units[key]]:.2f}"
+            parts.append(f"{label}={value[:60]}")
         pipes = sorted(((m.group("pipe"), _number(v)) for k, v in row.items() if (m := PIPES.match(k))
                         and _number(v) is not None), key=lambda kv: -kv[1])
         stalls = sorted(((m.group("reason"), _number(v)) for k, v in row.items() if (m := STALLS.match(k))
