@@ -382,7 +382,7 @@ GPU_CASES = [  # scheme, head_dim, gqa, page, compute dtype, kv heads
 
 
 def _gpu_decode(scheme, head_dim, gqa, page, dtype, heads, lengths, *, config=None, window=0, softcap=0.0,
-                q_scale=1.0, seed=0):
+                q_scale=1.0, q_shift=0.0, seed=0):
     import torch
 
     hz = _hz()
@@ -397,7 +397,7 @@ def _gpu_decode(scheme, head_dim, gqa, page, dtype, heads, lengths, *, config=No
 
     mod = load_kernel(spec, reg.schemes[scheme])
     cache = hz.make_cache(scheme, head_dim, heads, page, lengths, dtype, device="cuda", seed=seed)
-    q = (hz.random_q(len(lengths), heads * gqa, head_dim, torch.float32, "cpu", seed=seed + 1) * q_scale)
+    q = hz.random_q(len(lengths), heads * gqa, head_dim, torch.float32, "cpu", seed=seed + 1) * q_scale + q_shift
     q = q.to(getattr(torch, dtype)).cuda()
     out = hz.poisoned_like(q)
     sm_scale = 1.0 / math.sqrt(head_dim)
@@ -444,6 +444,17 @@ def test_gpu_cuda_decode_window_and_softcap(scheme):
                     [7, 41, 300, 1025],
                     window=window, softcap=softcap, q_scale=3.0,
                     config={"num_splits": 4, "num_warps": 4, "depth": 2})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_gpu_cuda_decode_biased_operands_cancel(scheme):
+    """int8 hands the MMAs 1152 + code and takes 1152 * sum(q) and 1152 * sum(P) back out (decode.cu.j2, operand
+    biases). q with a large common offset makes sum(q), where every score starts, far larger than any score, and
+    5,000 tokens make sum(P) long: the float16-compute error must stay within the scheme's 2e-3 all the same
+    (rounding P one way for the MMA and another for the correction would be off by far more)."""
+    _gpu_decode(scheme, 128, 8, 16, "float16", 2, [5000, 17, 1, 1000], q_scale=2.0, q_shift=3.0)
+    _gpu_decode(scheme, 64, 4, 8, "float16", 2, [4099, 33], q_scale=0.5, q_shift=-2.0, seed=3)
 
 
 @pytest.mark.gpu
