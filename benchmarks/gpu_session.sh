@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -221,6 +221,23 @@ if [ "$what" = auto-default ]; then
       --autotune $mode --out "$OUT/engine_step_auto_$mode.json" >"$OUT/engine_step_auto_$mode.log" 2>&1
     echo "engine step (auto, $mode configs): exit $?"; grep '"kind"' "$OUT/engine_step_auto_$mode.log" | cut -c1-300
   done
+fi
+if [ "$what" = readers ]; then
+  # About 9 minutes, for f0288d7 (the CUDA decode's leaner tile loop: one base address a tile, int8's biased
+  # operands, fp8's hardware conversion): the CUDA backend's GPU tests, the decode at every anchor shape as the
+  # runtime chooses it (issue 16's table), and issue 14's engine steps (async, the autotuner's model configs).
+  # Everything is archived into readers.tgz (the device tool returns only 8 files).
+  par=""; python3 -c "import xdist" 2>/dev/null && par="-n 12"
+  timeout 170 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/test_cuda_backend.py >"$OUT/pytest-gpu-cuda.log" 2>&1
+  echo "CUDA backend GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-cuda.log" | tail -8 | cut -c1-200
+  timeout 230 python3 -m benchmarks.run --ops decode --schemes bf16,fp8,int8,int4,int2 --backend auto \
+    --out "$OUT/decode_auto" >"$OUT/decode_auto.log" 2>&1; echo "decode, --backend auto: exit $?"
+  grep -E "^decode " "$OUT/decode_auto.log" | cut -c1-120
+  timeout 150 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-scheduling \
+    --out "$OUT/engine_step.json" >"$OUT/engine_step.log" 2>&1; echo "engine step: exit $?"
+  grep '"kind"' "$OUT/engine_step.log" | cut -c1-220
+  (cd "$OUT" && tar czf readers.tgz --exclude=readers.tgz . && find . -mindepth 1 ! -name readers.tgz ! -name env.txt -delete)
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"
