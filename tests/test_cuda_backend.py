@@ -448,13 +448,21 @@ def test_gpu_cuda_decode_window_and_softcap(scheme):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
-def test_gpu_cuda_decode_biased_operands_cancel(scheme):
-    """int8 hands the MMAs 1152 + code and takes 1152 * sum(q) and 1152 * sum(P) back out (decode.cu.j2, operand
-    biases). q with a large common offset makes sum(q), where every score starts, far larger than any score, and
-    5,000 tokens make sum(P) long: the float16-compute error must stay within the scheme's 2e-3 all the same
-    (rounding P one way for the MMA and another for the correction would be off by far more)."""
+def test_gpu_cuda_decode_biased_key_operands_cancel(scheme):
+    """int8 hands the score MMAs 1152 + code and starts every score at -1152 * sum(q) (decode.cu.j2, key operand
+    bias). q with a large common offset makes that start far larger than any score: the float16-compute error must
+    stay within the scheme's 2e-3 all the same."""
     _gpu_decode(scheme, 128, 8, 16, "float16", 2, [5000, 17, 1, 1000], q_scale=2.0, q_shift=3.0)
     _gpu_decode(scheme, 64, 4, 8, "float16", 2, [4099, 33], q_scale=0.5, q_shift=-2.0, seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["bf16", "int8", "fp8", "int4"])
+def test_gpu_cuda_decode_diffuse_attention_over_long_rows(scheme):
+    """Nearly uniform attention over 16K tokens in one split: each warp accumulates 4K tokens into an output far
+    smaller than any one value, where accumulation error shows (a value-side operand bias failed this way)."""
+    _gpu_decode(scheme, 128, 8, 16, "float16", 2, [16384, 5], q_scale=0.05,
+                config={"num_splits": 1, "num_warps": 4, "depth": 2})
 
 
 @pytest.mark.gpu
