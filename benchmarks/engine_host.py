@@ -51,6 +51,8 @@ if "cuda" not in " ".join(sys.argv):
 
 import torch  # noqa: E402
 
+from kvgen.engine.config import DEFAULT_ENGINE_BACKEND  # noqa: E402 (the backend the engines here run, recorded)
+
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
             num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=8192,
             rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True)
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f"   async steps {ms['async_steps']}/{args.steps}" if args.async_scheduling else ""), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "ms": rows}, f, indent=1)
+            json.dump({"args": vars(args), "kernel_backend": DEFAULT_ENGINE_BACKEND, "ms": rows}, f, indent=1)
     return 0
 
 

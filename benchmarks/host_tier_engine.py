@@ -22,6 +22,8 @@ import json
 import random
 import sys
 
+from kvgen.engine.config import DEFAULT_ENGINE_BACKEND  # the backend the engines here run (recorded)
+
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
             rope_theta=10000.0, tie_word_embeddings=True, torch_dtype="float32")
@@ -80,7 +82,8 @@ def engine_records(*, smoke: bool, kv: str, num_requests: int, prompt: tuple[int
                    ms=wall * 1e3, tokens_per_s=generated / wall, num_preemptions=d[0], swapped_out=d[1],
                    swapped_in=d[2], swap_failures=d[3], max_tokens=eng.cache.capacity_tokens,
                    workload_tokens=need, kv_ratio=need / eng.cache.capacity_tokens,
-                   peak_running=getattr(eng, "peak_running", None), bytes=None, bw_fraction=None)
+                   peak_running=getattr(eng, "peak_running", None), bytes=None, bw_fraction=None,
+                   kernel_backend=DEFAULT_ENGINE_BACKEND)
         log(json.dumps(rec))
         out.append(rec)
         del eng, s

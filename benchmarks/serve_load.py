@@ -81,6 +81,7 @@ import time
 from pathlib import Path
 
 from kvgen.atomic import write_atomic
+from kvgen.engine.config import DEFAULT_ENGINE_BACKEND  # the backend the engines here run (recorded)
 
 CONCURRENCY = (1, 16, 64, 256)
 MODEL = "llama-3-8b-random"
@@ -536,7 +537,7 @@ def main(argv=None) -> int:
                model=("stand-in (sleep %g ms per step, table tokens) on a tiny fp32 KVCache" % args.step_ms
                       if args.standin else "tiny random" if smoke else "Llama-3-8B shape, random weights"),
                engine="server's process (thread)" if args.engine_in_process else "own process",
-               somaxconn=_read_int("/proc/sys/net/core/somaxconn"),
+               somaxconn=_read_int("/proc/sys/net/core/somaxconn"), kernel_backend=DEFAULT_ENGINE_BACKEND,
                prompt_tokens=list(prompt), output_tokens=list(output), records=records)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,7 @@ import traceback
 from pathlib import Path
 
 from kvgen.atomic import write_atomic
+from kvgen.engine.config import DEFAULT_ENGINE_BACKEND  # the backend the engines here run (recorded)
 from kvgen.engine.parallel import NO_MULTICAST  # torch-free
 
 os.environ.update(NO_MULTICAST)  # before torch or NCCL load in this process
@@ -369,7 +370,7 @@ def main(argv=None) -> int:
                triton=triton.__version__, copy_bandwidth=bw,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                layers=config["num_hidden_layers"], model="tiny" if args.tiny else "llama-3-70b-shape",
-               params=param_count(config), env=NO_MULTICAST, records=records)
+               params=param_count(config), env=NO_MULTICAST, kernel_backend=DEFAULT_ENGINE_BACKEND, records=records)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
