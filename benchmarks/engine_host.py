@@ -51,7 +51,7 @@ if "cuda" not in " ".join(sys.argv):
 
 import torch  # noqa: E402
 
-from kvgen.engine.config import DEFAULT_ENGINE_BACKEND  # noqa: E402 (the backend the engines here run, recorded)
+from kvgen.engine.config import DEFAULT_ENGINE_BACKEND  # noqa: E402 (the backend the engines here are asked for, recorded)
 
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
             num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=8192,

@@ -22,7 +22,7 @@ import json
 import random
 import sys
 
-from kvgen.engine.config import DEFAULT_ENGINE_BACKEND  # the backend the engines here run (recorded)
+from kvgen.engine.config import DEFAULT_ENGINE_BACKEND  # the backend the engines here are asked for (recorded)
 
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,

@@ -81,7 +81,7 @@ import time
 from pathlib import Path
 
 from kvgen.atomic import write_atomic
-from kvgen.engine.config import DEFAULT_ENGINE_BACKEND  # the backend the engines here run (recorded)
+from kvgen.engine.config import DEFAULT_ENGINE_BACKEND  # the backend the engines here are asked for (recorded)
 
 CONCURRENCY = (1, 16, 64, 256)
 MODEL = "llama-3-8b-random"

@@ -47,7 +47,7 @@ import traceback
 from pathlib import Path
 
 from kvgen.atomic import write_atomic
-from kvgen.engine.config import DEFAULT_ENGINE_BACKEND  # the backend the engines here run (recorded)
+from kvgen.engine.config import DEFAULT_ENGINE_BACKEND  # the backend the engines here are asked for (recorded)
 from kvgen.engine.parallel import NO_MULTICAST  # torch-free
 
 os.environ.update(NO_MULTICAST)  # before torch or NCCL load in this process

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import importlib
+import itertools
 import json
 import math
 import os
@@ -82,6 +83,16 @@ def test_cuda_template_builds_for_sm_90a(spec, tmp_path):
     assert loaded.kvgen_abi_version() == 2
     assert hasattr(loaded, "kvgen_decode")
     assert not [p for p in (tmp_path / "cuda").iterdir() if p != lib], "no temporary files are left behind"
+
+
+@needs_nvcc
+def test_fp8_reader_builds_before_sm_89(tmp_path):
+    """The fp8 reader converts codes with cvt.rn.f16x2.e4m3x2 from sm_89 and by bit arithmetic before (the CUDA
+    decode serves sm_80+): the older path must build too."""
+    cu = _sources(_spec("fp8", head_dim=128, gqa=8, page=16, heads=2))[".cu"]
+    lib = cuda_loader.build(cu, "sm_80", root=tmp_path)
+    assert ctypes.CDLL(str(lib)).kvgen_abi_version() == 2
+    assert "KVGEN_FP8_CVT" in cu and "cvt.rn.f16x2.e4m3x2" in cu
 
 
 def test_unsupported_specs_name_a_reason():
@@ -370,6 +381,7 @@ GPU_CASES = [  # scheme, head_dim, gqa, page, compute dtype, kv heads
     ("fp8", 64, 4, 8, "float16", 2),
     ("bf16", 64, 4, 32, "bfloat16", 2),
     ("int8", 128, 4, 8, "bfloat16", 2),
+    ("int8", 128, 16, 16, "float16", 2),  # two MMA column tiles of the group, each with its key-bias start
     ("fp16", 256, 1, 16, "float16", 2),
     ("bf16", 128, 20, 16, "bfloat16", 1),
     ("int4", 128, 8, 16, "bfloat16", 8),   # KIVI: compressed pages, then the residual tail page
@@ -439,9 +451,10 @@ def test_gpu_cuda_decode_window_and_softcap(scheme):
     p = 16
     # int2 keeps its last 128 tokens exact: windows past them reach the 2-bit pages
     windows = ((200, 0.0), (0, 20.0), (300, 30.0)) if scheme == "int2" else ((40, 0.0), (0, 20.0), (100, 30.0))
-    for window, softcap in windows:
-        _gpu_decode(scheme, 128 if scheme == "int2" else 64, 4, 8 if scheme in ("int8", "fp8") else p, "float16", 2,
-                    [7, 41, 300, 1025],
+    # int8 and fp8 also at page 8: tiles span pages there, and each row's page is looked up on its own
+    pages = (8, p) if scheme in ("int8", "fp8") else (p,)
+    for (window, softcap), page in itertools.product(windows, pages):
+        _gpu_decode(scheme, 128 if scheme == "int2" else 64, 4, page, "float16", 2, [7, 41, 300, 1025],
                     window=window, softcap=softcap, q_scale=3.0,
                     config={"num_splits": 4, "num_warps": 4, "depth": 2})
 

@@ -49,7 +49,7 @@ def test_smoke_run_serves_every_request_and_plots(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     doc = json.loads(out.read_text())
     got = {(r["kind"], r["clients"]): r for r in doc["records"]}
-    assert doc["kernel_backend"] == "auto"  # what the engine ran, recorded with its numbers
+    assert doc["kernel_backend"] == "auto"  # the backend the engine was asked for (the default), recorded
     assert set(got) == {(k, c) for k in ("offline", "served") for c in (1, 4)}
     for c in (1, 4):
         served, offline = got["served", c], got["offline", c]
