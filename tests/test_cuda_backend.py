@@ -464,7 +464,7 @@ def test_gpu_cuda_decode_window_and_softcap(scheme):
 def test_gpu_cuda_decode_biased_key_operands_cancel(scheme):
     """int8 hands the score MMAs 1152 + code and starts every score at -1152 * sum(q) (decode.cu.j2, key operand
     bias). q with a large common offset makes that start far larger than any score: the float16-compute error must
-    stay within the scheme's 2e-3 all the same."""
+    stay within the scheme's 2e-3 all the same. fp8 (no bias) runs the same inputs as the control."""
     _gpu_decode(scheme, 128, 8, 16, "float16", 2, [5000, 17, 1, 1000], q_scale=2.0, q_shift=3.0)
     _gpu_decode(scheme, 64, 4, 8, "float16", 2, [4099, 33], q_scale=0.5, q_shift=-2.0, seed=3)
 
