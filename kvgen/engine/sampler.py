@@ -111,6 +111,29 @@ class PendingSample:
         return out
 
 
+ARGMAX_CHUNK = 2048
+"""Entries a row's first argmax pass reduces at a time (rows wider than four chunks take two passes)."""
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=1)`` of a 2-D tensor, the same indices (the first maximal entry, NaN counting as maximal).
+
+    Wide rows take two passes: each chunk of :data:`ARGMAX_CHUNK` entries to its maximum and index, then
+    the best chunk. torch reduces a row in one pass, which at batch 1 over a 128K vocabulary ran 27 us on an
+    H200 between two decode graphs (2026-12-03 engine profile).
+    """
+    n, v = x.shape
+    if v <= 4 * ARGMAX_CHUNK or n == 0:
+        return x.argmax(dim=1)
+    pad = -v % ARGMAX_CHUNK
+    # padding with -inf never wins a chunk (a chunk of only padding lies past every real one, and ties go to
+    # the first maximal chunk)
+    xp = torch.nn.functional.pad(x, (0, pad), value=float("-inf")) if pad else x
+    vals, idx = xp.view(n, -1, ARGMAX_CHUNK).max(dim=2)
+    best = vals.argmax(dim=1)
+    return best * ARGMAX_CHUNK + idx.gather(1, best[:, None])[:, 0]
+
+
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     """A pinned host copy of device tensor ``t``, started on the current stream (valid once it has run)."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -140,7 +163,7 @@ def sample_async(logits: torch.Tensor, slots: list[SampleSlot]) -> PendingSample
             if s.banned:
                 x[i].index_fill_(0, to_device(list(s.banned), torch.long, dev), float("-inf"))
     greedy = [s.params.greedy for s in slots]
-    tokens = x.argmax(dim=1)
+    tokens = row_argmax(x)
     if not all(greedy):
         # one upload for the per-row settings (top_k as float: exact for any vocabulary index)
         rows_h = to_device([[s.params.temperature or 1.0, s.params.top_k, s.params.top_p, s.params.min_p,
@@ -151,7 +174,7 @@ def sample_async(logits: torch.Tensor, slots: list[SampleSlot]) -> PendingSample
         for i, s in enumerate(slots):
             if s.generator is not None:
                 q[i].exponential_(generator=s.generator)
-        drawn = (probs / q).argmax(dim=1)
+        drawn = row_argmax(probs / q)
         tokens = torch.where(greedy_d.bool(), tokens, drawn)
     want = [s.params.logprobs for s in slots]
     if all(w is None for w in want):

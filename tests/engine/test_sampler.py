@@ -108,3 +108,21 @@ def test_greedy_penalties_and_logprobs():
     assert sample(x, [SampleSlot(0, freq, None, [], [1, 1, 1])])[0].token == 2  # 3 - 0.15 < 2.9
     # min_tokens masking
     assert sample(x, [SampleSlot(0, greedy, None, [], [], banned=(1,))])[0].token == 2
+
+
+def test_row_argmax_equals_torch_argmax_on_wide_rows():
+    """The two-pass argmax of wide rows picks torch's index: ties go to the first maximal entry (across and
+    within chunks), NaN counts as maximal, all -inf rows give 0, and padding never wins."""
+    from kvgen.engine.sampler import ARGMAX_CHUNK, row_argmax
+
+    gen = torch.Generator().manual_seed(7)
+    for v in (5, 4 * ARGMAX_CHUNK, 4 * ARGMAX_CHUNK + 1, 5 * ARGMAX_CHUNK, 128256):
+        x = torch.randint(-3, 4, (6, v), generator=gen).float()  # small integers: many ties
+        x[1] = float("-inf")
+        x[2, -1] = 9.0  # the maximum in the last, padded chunk
+        x[3, v // 3] = float("nan")
+        x[4, :] = 1.0
+        x[5] = torch.randn(v, generator=gen)
+        got, want = row_argmax(x), x.argmax(dim=1)
+        assert torch.equal(got, want), (v, got.tolist(), want.tolist())
+    assert row_argmax(torch.empty(0, 10 * ARGMAX_CHUNK)).shape == (0,)
