@@ -105,10 +105,11 @@ def opcode(text: str) -> str:
 
 
 def largest_loop(instrs: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """The instructions of the longest span [target, branch] of a backward branch that holds no EXIT (the tile
-    loop): the warp-divergence fallbacks nvcc places after the function's end branch back into it, across its
-    EXIT, and are no loop."""
+    """The instructions of the longest span [target, branch] of a backward branch that holds no EXIT and some
+    HMMA (the tile loop): the warp-divergence fallbacks nvcc places after the function's end branch back into
+    it, across its EXIT, and are no loop; the split combine's loops hold no MMA."""
     exits = [a for a, t in instrs if opcode(t) == "EXIT"]
+    mmas = [a for a, t in instrs if opcode(t) == "HMMA"]
     best: tuple[int, int] | None = None
     for addr, text in instrs:
         if opcode(text) != "BRA":
@@ -117,7 +118,7 @@ def largest_loop(instrs: list[tuple[int, str]]) -> list[tuple[int, str]]:
         if not m:
             continue
         target = int(m.group(1), 16)
-        if any(target <= e <= addr for e in exits):
+        if any(target <= e <= addr for e in exits) or not any(target <= a <= addr for a in mmas):
             continue
         if target < addr and (best is None or addr - target > best[1] - best[0]):
             best = (target, addr)

@@ -112,26 +112,38 @@ class PendingSample:
 
 
 ARGMAX_CHUNK = 2048
-"""Entries a row's first argmax pass reduces at a time (rows wider than four chunks take two passes)."""
+"""About how many entries a row's first argmax pass reduces at a time (rows wider than four chunks take two passes)."""
+
+
+def _argmax_chunk(v: int) -> int:
+    """A chunk width for rows of ``v`` entries: a divisor of ``v`` near :data:`ARGMAX_CHUNK` when there is one
+    (the row splits into chunks as a view), else :data:`ARGMAX_CHUNK` (the row is padded)."""
+    for c in range(ARGMAX_CHUNK, 4 * ARGMAX_CHUNK + 1):
+        if v % c == 0:
+            return c
+    for c in range(ARGMAX_CHUNK - 1, ARGMAX_CHUNK // 2 - 1, -1):
+        if v % c == 0:
+            return c
+    return ARGMAX_CHUNK
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=1)`` of a 2-D tensor, the same indices (the first maximal entry, NaN counting as maximal).
 
-    Wide rows take two passes: each chunk of :data:`ARGMAX_CHUNK` entries to its maximum and index, then
-    the best chunk. torch reduces a row in one pass, which at batch 1 over a 128K vocabulary ran 27 us on an
-    H200 between two decode graphs (2026-12-03 engine profile).
+    Wide rows take two passes: each chunk of about :data:`ARGMAX_CHUNK` entries to its maximum and index,
+    then the best chunk. torch reduces a row in one pass, which at batch 1 over a 128K vocabulary ran 27 us
+    on an H200 between two decode graphs (2026-12-03 engine profile).
     """
     n, v = x.shape
     if v <= 4 * ARGMAX_CHUNK or n == 0:
         return x.argmax(dim=1)
-    pad = -v % ARGMAX_CHUNK
+    c = _argmax_chunk(v)
     # padding with -inf never wins a chunk (a chunk of only padding lies past every real one, and ties go to
     # the first maximal chunk)
-    xp = torch.nn.functional.pad(x, (0, pad), value=float("-inf")) if pad else x
-    vals, idx = xp.view(n, -1, ARGMAX_CHUNK).max(dim=2)
+    xp = torch.nn.functional.pad(x, (0, -v % c), value=float("-inf")) if v % c else x
+    vals, idx = xp.reshape(n, -1, c).max(dim=2)
     best = vals.argmax(dim=1)
-    return best * ARGMAX_CHUNK + idx.gather(1, best[:, None])[:, 0]
+    return best * c + idx.gather(1, best[:, None])[:, 0]
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:

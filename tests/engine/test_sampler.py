@@ -113,10 +113,11 @@ def test_greedy_penalties_and_logprobs():
 def test_row_argmax_equals_torch_argmax_on_wide_rows():
     """The two-pass argmax of wide rows picks torch's index: ties go to the first maximal entry (across and
     within chunks), NaN counts as maximal, all -inf rows give 0, and padding never wins."""
-    from kvgen.engine.sampler import ARGMAX_CHUNK, row_argmax
+    from kvgen.engine.sampler import ARGMAX_CHUNK, _argmax_chunk, row_argmax
 
     gen = torch.Generator().manual_seed(7)
-    for v in (5, 4 * ARGMAX_CHUNK, 4 * ARGMAX_CHUNK + 1, 5 * ARGMAX_CHUNK, 128256):
+    assert 10007 % _argmax_chunk(10007)  # a prime width: the padded path
+    for v in (5, 4 * ARGMAX_CHUNK, 4 * ARGMAX_CHUNK + 1, 5 * ARGMAX_CHUNK, 10007, 128256):
         x = torch.randint(-3, 4, (6, v), generator=gen).float()  # small integers: many ties
         x[1] = float("-inf")
         x[2, -1] = 9.0  # the maximum in the last, padded chunk
