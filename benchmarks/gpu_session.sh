@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|combine8|combine8b] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|steps8] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -250,42 +250,17 @@ if [ "$what" = mends7 ]; then
     tests/test_cuda_backend.py -k "window or int8-128-16 or fp8" >"$OUT/pytest-gpu-mends7.log" 2>&1
   echo "seventh-set mends, CUDA GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-mends7.log" | tail -8 | cut -c1-200
 fi
-if [ "$what" = combine8 ]; then
-  # About 9 minutes, for the eighth set's in-kernel split combine of the CUDA decode (no reduce kernel) and the
-  # two-pass greedy argmax: the CUDA GPU tests of splits, counters and page boundaries, the engine GPU tests
-  # (graphs own the CUDA counters now), issue 14's engine steps, then whether configs tuned at a graph's longest
-  # context (32K) serve the B=1 step's 16K (benchmarks/experiments/context_configs.py). Archived into combine8.tgz.
-  par=""; python3 -c "import xdist" 2>/dev/null && par="-n 12"
-  timeout 130 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
-    tests/test_cuda_backend.py -k "splits or counters or page_boundaries" >"$OUT/pytest-gpu-cuda.log" 2>&1
-  echo "CUDA backend GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-cuda.log" | tail -8 | cut -c1-200
-  timeout 80 python3 -m pytest -m gpu -n 8 -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
-    tests/engine/test_gpu.py tests/engine/test_kernel_backend.py >"$OUT/pytest-gpu-engine.log" 2>&1
-  echo "engine GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-engine.log" | tail -8 | cut -c1-200
+if [ "$what" = steps8 ]; then
+  # About 5 minutes, the eighth set's last call: issue 14's engine steps and their profile on the final tree (the
+  # CUDA decode as the seventh set left it, the two-pass greedy argmax). The set's two calls before it ran an
+  # in-kernel split combine for the CUDA decode, since reverted (benchmarks/results/2026-12-03-nvidia-h200/README.md).
   timeout 160 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-scheduling \
     --out "$OUT/engine_step.json" >"$OUT/engine_step.log" 2>&1; echo "engine step: exit $?"
   grep '"kind"' "$OUT/engine_step.log" | cut -c1-220
-  KVGEN_WARMUP=0 timeout 170 python3 -m benchmarks.experiments.context_configs --schemes bf16,int4 \
-    --out "$OUT/context_configs.json" >"$OUT/context_configs.log" 2>&1; echo "context configs: exit $?"
-  grep -v "^  " "$OUT/context_configs.log" | tail -6 | cut -c1-400
-  tar czf /tmp/combine8.tgz -C "$OUT" . && find "$OUT" -mindepth 1 ! -name env.txt -delete && mv /tmp/combine8.tgz "$OUT/"
-fi
-if [ "$what" = combine8b ]; then
-  # About 9 minutes, for the eighth set's second split combine (a warp a row, float4 loads over shares of the
-  # splits; the first, one thread an element, serialized its loads and doubled the B=1 decode): the CUDA GPU tests
-  # of splits and counters, the decode at every anchor shape as the runtime chooses it (issue 16's table), and
-  # the engine profile (issue 14's steps, where each goes). Archived into combine8b.tgz.
-  par=""; python3 -c "import xdist" 2>/dev/null && par="-n 12"
-  timeout 110 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
-    tests/test_cuda_backend.py -k "splits or counters or window" >"$OUT/pytest-gpu-cuda.log" 2>&1
-  echo "CUDA backend GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-cuda.log" | tail -8 | cut -c1-200
-  timeout 240 python3 -m benchmarks.run --ops decode --schemes bf16,fp8,int8,int4,int2 --backend auto \
-    --out "$OUT/decode_auto" >"$OUT/decode_auto.log" 2>&1; echo "decode, --backend auto: exit $?"
-  grep -E "^decode " "$OUT/decode_auto.log" | cut -c1-120
   timeout 170 python3 -m benchmarks.engine_profile --async-scheduling --kv bf16,int4 --shapes 1x16384,32x2048 \
     --out "$OUT/engine_profile.json" >"$OUT/engine_profile.log" 2>&1; echo "engine profile: exit $?"
   grep -E "decode kernel|graph_async" "$OUT/engine_profile.log" | cut -c1-330
-  tar czf /tmp/combine8b.tgz -C "$OUT" . && find "$OUT" -mindepth 1 ! -name env.txt -delete && mv /tmp/combine8b.tgz "$OUT/"
+  tar czf /tmp/steps8.tgz -C "$OUT" . && find "$OUT" -mindepth 1 ! -name env.txt -delete && mv /tmp/steps8.tgz "$OUT/"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"

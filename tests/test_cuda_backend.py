@@ -362,9 +362,6 @@ def test_cuda_decode_refuses_cpu_tensors_with_a_clear_error():
     assert odd.is_contiguous() and odd.data_ptr() % 16
     with pytest.raises(ValueError, match="16-byte aligned"):
         mod.launch(q, torch.empty_like(q), dict(pools, k=odd), i32(1, 1), i32(1), i32(1), 0.125)
-    # the engine's graphs own their split counters through the module, as with the Triton decode
-    own = mod.split_counters(3, "cpu")
-    assert own.dtype == torch.int32 and own.numel() == 3 * mod.H and not own.any()
 
 
 # --------------------------------------------------------------------------- GPU numerics
@@ -397,7 +394,7 @@ GPU_CASES = [  # scheme, head_dim, gqa, page, compute dtype, kv heads
 
 
 def _gpu_decode(scheme, head_dim, gqa, page, dtype, heads, lengths, *, config=None, window=0, softcap=0.0,
-                q_scale=1.0, q_shift=0.0, seed=0, counters=None):
+                q_scale=1.0, q_shift=0.0, seed=0):
     import torch
 
     hz = _hz()
@@ -416,8 +413,7 @@ def _gpu_decode(scheme, head_dim, gqa, page, dtype, heads, lengths, *, config=No
     q = q.to(getattr(torch, dtype)).cuda()
     out = hz.poisoned_like(q)
     sm_scale = 1.0 / math.sqrt(head_dim)
-    mod.launch(q, out, cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, sm_scale, config=config,
-               counters=counters)
+    mod.launch(q, out, cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, sm_scale, config=config)
     torch.cuda.synchronize()
     ref = hz.reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], window=window, softcap=softcap,
                                  sm_scale=sm_scale)
@@ -447,32 +443,6 @@ def test_gpu_cuda_decode_splits_warps_and_depth(scheme, splits, warps, depth):
     depth = 2 if scheme == "bf16" else depth  # 16-bit pages are built for 2 stages only
     _gpu_decode(scheme, 128, 8, 16, "bfloat16", 4, [4099, 1, 0, 640, 33, 16 * 4 * 3 + 5],
                 config={"num_splits": splits, "num_warps": warps, "depth": depth})
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["bf16", "int4"])
-def test_gpu_cuda_decode_split_counters_are_left_zero_and_reused(scheme):
-    """The split that arrives last on its (sequence, KV head)'s counter combines the partials and zeroes the
-    counter: launches of different batches and split counts back to back all stay exact, no counter is left
-    nonzero (a leftover count would make a later launch combine before every split has written); a caller's
-    counters (a CUDA graph's) are used and left zero, too few are refused."""
-    import torch
-
-    from kvgen.runtime import split_counters
-
-    runs = [([4099, 5], 3), ([7, 2000, 0, 40], 7), ([4099, 5], 2), ([300, 301, 302], 64)]
-    for i, (lengths, splits) in enumerate(runs):
-        _gpu_decode(scheme, 128, 8, 16, "bfloat16", 4, lengths, seed=20 + i,
-                    config={"num_splits": splits, "num_warps": 4, "depth": 2})
-        bufs = [c for c in split_counters._COUNTERS.values() if c.device.type == "cuda"]
-        assert bufs and all(int(c.count_nonzero()) == 0 for c in bufs), f"launch {i} left a counter nonzero"
-    own = split_counters.owned_counters(4, 4, "cuda")
-    _gpu_decode(scheme, 128, 8, 16, "bfloat16", 4, [7, 2000, 0, 4099], seed=40, counters=own,
-                config={"num_splits": 9, "num_warps": 8, "depth": 2})
-    assert int(own.count_nonzero()) == 0
-    with pytest.raises(ValueError, match="counters"):
-        _gpu_decode(scheme, 128, 8, 16, "bfloat16", 4, [7, 2000, 0, 4099], counters=own[:15],
-                    config={"num_splits": 9, "num_warps": 4, "depth": 2})
 
 
 @pytest.mark.gpu
