@@ -120,7 +120,7 @@ def test_row_argmax_equals_torch_argmax_on_wide_rows():
     for v in (5, 4 * ARGMAX_CHUNK, 4 * ARGMAX_CHUNK + 1, 5 * ARGMAX_CHUNK, 10007, 128256):
         x = torch.randint(-3, 4, (6, v), generator=gen).float()  # small integers: many ties
         x[1] = float("-inf")
-        x[2, -1] = 9.0  # the maximum in the last, padded chunk
+        x[2, -1] = 9.0  # the maximum in the last chunk (padded where no chunk width divides the row)
         x[3, v // 3] = float("nan")
         x[4, :] = 1.0
         x[5] = torch.randn(v, generator=gen)
