@@ -303,6 +303,8 @@ def main(argv=None) -> int:
                          "decode-phase figures then blur a phase change, see benchmarks/offline.py)")
     from kvgen.engine.config import ENGINE_BACKENDS
 
+    ap.add_argument("--async-only", action="store_true",
+                    help="step part: only the async-scheduling steps (no synchronous ones, no HF)")
     ap.add_argument("--kernel-backend", default=DEFAULT_ENGINE_BACKEND, choices=ENGINE_BACKENDS,
                     help="the kvgen engines' kernels (cuda: the CUDA decode kernel where the scheme has one)")
     ap.add_argument("--autotune", choices=("cached", "sync"), default=None,
@@ -347,8 +349,9 @@ def main(argv=None) -> int:
     if "step" in parts:
         shapes = [(1, 4096), (8, 1024)] if q else [(1, 16384), (32, 2048)]
         n = 16 if q else 64
-        attempt(step_records, kvs, shapes, bw, n, not (q or args.no_hf_static or args.no_hf), hf=not args.no_hf)
-        if args.async_scheduling:
+        if not args.async_only:
+            attempt(step_records, kvs, shapes, bw, n, not (q or args.no_hf_static or args.no_hf), hf=not args.no_hf)
+        if args.async_scheduling or args.async_only:
             attempt(step_records, kvs, shapes, bw, n, False, async_scheduling=True, hf=False)
     if "throughput" in parts:
         reqs = workload(64 if q else 1000, prompt=(128, 512) if q else (512, 2048), output=(32, 128) if q else (128, 512))

@@ -251,20 +251,23 @@ if [ "$what" = mends7 ]; then
   echo "seventh-set mends, CUDA GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-mends7.log" | tail -8 | cut -c1-200
 fi
 if [ "$what" = steps8 ]; then
-  # About 7 minutes, the eighth set's last call: issue 14's engine steps, the KV-bound throughput and the steps'
-  # profile on the final tree (the CUDA decode as the seventh set left it, the two-pass greedy argmax). The set's
-  # two calls before it ran an in-kernel split combine for the CUDA decode, since reverted
-  # (benchmarks/results/2026-12-03-nvidia-h200/README.md).
-  timeout 150 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-scheduling \
+  # About 6 minutes, the eighth set's last call, for the single-row GEMV of the engine (kvgen/engine/fused.py
+  # linear): the GEMV against torch's GEMM per projection, the engine's GPU tests with it, issue 14's engine steps
+  # without it (KVGEN_GEMV=0) and with it, in one call, then where the B=1 steps go. Archived into steps8.tgz.
+  timeout 60 python3 -m benchmarks.experiments.gemv --out "$OUT/gemv.json" >"$OUT/gemv.log" 2>&1
+  echo "gemv: exit $?"; cat "$OUT/gemv.log" | tail -6 | cut -c1-200
+  timeout 80 python3 -m pytest -m gpu -n 8 -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/engine/test_fused.py tests/engine/test_gpu.py tests/engine/test_kernel_backend.py >"$OUT/pytest-gpu-engine.log" 2>&1
+  echo "engine GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-engine.log" | tail -8 | cut -c1-200
+  KVGEN_GEMV=0 timeout 110 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-only \
+    --out "$OUT/engine_step_cublas.json" >"$OUT/engine_step_cublas.log" 2>&1; echo "engine step, KVGEN_GEMV=0: exit $?"
+  grep '"kind"' "$OUT/engine_step_cublas.log" | cut -c1-200
+  timeout 110 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-only \
     --out "$OUT/engine_step.json" >"$OUT/engine_step.log" 2>&1; echo "engine step: exit $?"
-  grep '"kind"' "$OUT/engine_step.log" | cut -c1-220
-  # synchronous: its decode-phase accounting needs it (benchmarks/offline.py run_offline)
-  timeout 160 python3 -m benchmarks.engine --parts kvbound --no-hf --kv bf16,int4 \
-    --out "$OUT/engine_kvbound.json" >"$OUT/engine_kvbound.log" 2>&1; echo "engine kvbound: exit $?"
-  grep '"kind"' "$OUT/engine_kvbound.log" | cut -c1-300
-  timeout 140 python3 -m benchmarks.engine_profile --async-scheduling --kv bf16,int4 --shapes 1x16384,32x2048 \
+  grep '"kind"' "$OUT/engine_step.log" | cut -c1-200
+  timeout 70 python3 -m benchmarks.engine_profile --async-scheduling --kv bf16,int4 --shapes 1x16384 \
     --out "$OUT/engine_profile.json" >"$OUT/engine_profile.log" 2>&1; echo "engine profile: exit $?"
-  grep -E "decode kernel|graph_async" "$OUT/engine_profile.log" | cut -c1-330
+  grep -E "graph_async" "$OUT/engine_profile.log" | cut -c1-250
   tar czf /tmp/steps8.tgz -C "$OUT" . && find "$OUT" -mindepth 1 ! -name env.txt -delete && mv /tmp/steps8.tgz "$OUT/"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
