@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|steps8] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -249,26 +249,6 @@ if [ "$what" = mends7 ]; then
   timeout 200 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
     tests/test_cuda_backend.py -k "window or int8-128-16 or fp8" >"$OUT/pytest-gpu-mends7.log" 2>&1
   echo "seventh-set mends, CUDA GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-mends7.log" | tail -8 | cut -c1-200
-fi
-if [ "$what" = steps8 ]; then
-  # About 6 minutes, the eighth set's last call, for the single-row GEMV of the engine (kvgen/engine/fused.py
-  # linear): the GEMV against torch's GEMM per projection, the engine's GPU tests with it, issue 14's engine steps
-  # without it (KVGEN_GEMV=0) and with it, in one call, then where the B=1 steps go. Archived into steps8.tgz.
-  timeout 60 python3 -m benchmarks.experiments.gemv --out "$OUT/gemv.json" >"$OUT/gemv.log" 2>&1
-  echo "gemv: exit $?"; cat "$OUT/gemv.log" | tail -6 | cut -c1-200
-  timeout 80 python3 -m pytest -m gpu -n 8 -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
-    tests/engine/test_fused.py tests/engine/test_gpu.py tests/engine/test_kernel_backend.py >"$OUT/pytest-gpu-engine.log" 2>&1
-  echo "engine GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-engine.log" | tail -8 | cut -c1-200
-  KVGEN_GEMV=0 timeout 110 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-only \
-    --out "$OUT/engine_step_cublas.json" >"$OUT/engine_step_cublas.log" 2>&1; echo "engine step, KVGEN_GEMV=0: exit $?"
-  grep '"kind"' "$OUT/engine_step_cublas.log" | cut -c1-200
-  timeout 110 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-only \
-    --out "$OUT/engine_step.json" >"$OUT/engine_step.log" 2>&1; echo "engine step: exit $?"
-  grep '"kind"' "$OUT/engine_step.log" | cut -c1-200
-  timeout 70 python3 -m benchmarks.engine_profile --async-scheduling --kv bf16,int4 --shapes 1x16384 \
-    --out "$OUT/engine_profile.json" >"$OUT/engine_profile.log" 2>&1; echo "engine profile: exit $?"
-  grep -E "graph_async" "$OUT/engine_profile.log" | cut -c1-250
-  tar czf /tmp/steps8.tgz -C "$OUT" . && find "$OUT" -mindepth 1 ! -name env.txt -delete && mv /tmp/steps8.tgz "$OUT/"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"

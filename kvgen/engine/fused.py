@@ -9,11 +9,6 @@ Per layer the model runs four of these instead of ~15 small kernels
 - :func:`add_rms_norm`: residual add + RMSNorm (the residual updated);
 - :func:`silu_mul`: ``silu(gate) * up`` from the fused gate|up GEMM output.
 
-:func:`linear` is ``nn.functional.linear``, but a single row on a CUDA device
-(the decode step at batch 1) runs a GEMV kernel: cuBLAS's GEMMs read the
-small projections of a Llama-3-8B layer at about 72% of the copy bandwidth
-at batch 1 on an H200 (q/k/v and o; 2026-12-03 engine profile).
-
 Which implementation runs follows the runtime's rule for its own kernels:
 Triton on a CUDA device, Triton's CPU interpreter on the CPU when
 ``TRITON_INTERPRET`` is set (the kernels were built under it), plain torch
@@ -34,8 +29,6 @@ from kvgen.runtime.env import triton_interpret as _interpreting  # the one readi
 
 _TORCH_ONLY = "KVGEN_FUSED_TORCH"
 """Environment switch: ``1`` runs the plain-torch versions everywhere (debugging, comparisons)."""
-_NO_GEMV = "KVGEN_GEMV"
-"""Environment switch: ``0`` keeps torch's GEMM for single rows too (:func:`linear`; comparisons)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,43 +192,4 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block_t = _rows_per_program(kernels, T, block_i, 1)
     kernels.silu_mul_kernel[(_cdiv(T, block_t), _cdiv(inter, block_i))](
         gate_up, out, T, inter, gate_up.stride(0), out.stride(0), BLOCK_T=block_t, BLOCK_I=block_i, num_warps=4)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- single-row GEMV
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``nn.functional.linear(x, weight, bias)``; one 16-bit row ``x [1, K]`` on a CUDA device runs :func:`gemv`.
-
-    Elsewhere (more rows, float32, the CPU, ``KVGEN_GEMV=0``) torch's GEMM runs: at batch 1 the interpreter
-    and CPU tests keep torch's results, and larger batches keep cuBLAS's tiles.
-    """
-    kernels = _impl(x)
-    if (kernels is None or kernels.INTERPRET or x.dim() != 2 or x.shape[0] != 1
-            or x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype or weight.stride(1) != 1
-            or x.stride(1) != 1 or os.environ.get(_NO_GEMV, "1") in ("", "0")):
-        return torch.nn.functional.linear(x, weight, bias)
-    return gemv(x, weight, bias)
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [1, K] @ weight [N, K]^T (+ bias [N])`` -> a new ``[1, N]`` in ``x``'s dtype, by the Triton GEMV kernel.
-
-    Accumulates in float32 and rounds once. Tiles of 4 rows x 2048 columns on a GPU (many small programs:
-    the rows of a 4096-wide projection spread over every SM); the interpreter runs it too (tests).
-    Raises RuntimeError where no Triton kernel runs for ``x`` (see the module docstring).
-    """
-    kernels = _impl(x)
-    if kernels is None:
-        raise RuntimeError(f"no Triton kernels run for {x.device} tensors here")
-    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != weight.shape[1] or weight.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError(f"gemv takes x [1, K] and weight [N, K] with unit last strides, got {list(x.shape)} "
-                         f"and {list(weight.shape)} (strides {weight.stride()})")
-    N, K = weight.shape
-    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    block_k = min(2048, _pow2(K))
-    block_n = max(1, 8192 // block_k) if not kernels.INTERPRET else min(64, _pow2(N))
-    kernels.gemv_kernel[(_cdiv(N, block_n),)](
-        x, weight, weight if bias is None else bias, out, N, K, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out

@@ -117,28 +117,3 @@ def silu_mul_kernel(gu_ptr, out_ptr, n_rows, inter, stride_gu, stride_o,
     u = tl.load(gu_ptr + r64 * stride_gu + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # HF: silu in the model dtype, then the product
     tl.store(out_ptr + r64 * stride_o + cols[None, :], (a * u).to(dt), mask=mask)
-
-
-@triton.jit
-def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_w,
-                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``out[n] = sum_k x[k] w[n, k] (+ b[n])`` for one row ``x [K]`` and ``w [N, K]`` (unit stride in k).
-
-    BLOCK_N rows of ``w`` a program, in float32, rounded once to ``out``'s dtype (as a GEMM with a bias
-    epilogue rounds). Each step loads a [BLOCK_N, BLOCK_K] tile; the products accumulate elementwise and
-    are summed over k once at the end.
-    """
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        cmask = cols < K
-        x = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        acc += w * x[None, :]
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)

@@ -9,7 +9,7 @@ q/k/v (and gate/up) are row views of one fused matrix per layer, so a step
 runs one GEMM for them (at batch 1 every kernel launch counts).
 
 The elementwise work between the GEMMs runs as four fused kernels per
-layer (:mod:`.fused`; a single row's projections run its GEMV): residual add + RMSNorm twice, q/k/v split + q/k
+layer (:mod:`.fused`): residual add + RMSNorm twice, q/k/v split + q/k
 norm + RoPE into contiguous q, k, v (what the cache write and attention
 read, so no copies), and SiLU(gate) * up.
 
@@ -63,7 +63,7 @@ class Linear(nn.Module):
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused.linear(x, self.weight, self.bias)
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -74,7 +74,7 @@ class RowParallelLinear(Linear):
         self.shard = shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = fused.linear(x, self.weight)
+        y = nn.functional.linear(x, self.weight)
         dist.all_reduce(y, group=self.shard.group)  # the group is set after the model is built
         return y if self.bias is None else y + self.bias
 
@@ -123,7 +123,7 @@ class Attention(nn.Module):
     def forward(self, layer: int, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
                 attend: Attend) -> torch.Tensor:
         T, D = x.shape[0], self.cfg.head_dim
-        qkv = fused.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)
         # one kernel: contiguous q, k, v (no copies before the cache write), q/k norms, RoPE
         norms = (self.q_norm.weight, self.k_norm.weight) if self.cfg.qk_norm else (None, None)
         q, k, v = fused.qkv_rope(qkv, positions, rotary.cos, rotary.sin, self.sizes[0] // D, self.sizes[1] // D, D,
@@ -146,7 +146,7 @@ class MLP(nn.Module):
         self.inter = I
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = fused.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate_up = nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias)
         return self.down_proj(fused.silu_mul(gate_up))
 
 
@@ -206,4 +206,4 @@ class CausalLM(nn.Module):
         """float32 logits ``[N, vocab]`` of hidden rows ``[N, hidden]``."""
         h = self.model.norm(hidden)
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return fused.linear(h, w).float()
+        return nn.functional.linear(h, w).float()

@@ -169,28 +169,3 @@ def test_torch_runs_where_the_kernels_cannot(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # GPU tensors are never interpreted
     assert not fused.use_triton(torch.empty(1, device=DEVICE))
     assert not fused.use_triton(torch.empty(1, device="meta"))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N,K,bias", [(37, 300, True), (64, 4096, False), (5, 17, True)])
-def test_gemv(poisoned, monkeypatch, dtype, N, K, bias):
-    """The single-row GEMV against float64, ragged N and K; on a GPU, ``linear`` takes it for one 16-bit row
-    and matches torch's GEMM (up to rounding), and ``KVGEN_GEMV=0`` keeps torch's."""
-    monkeypatch.delenv("KVGEN_FUSED_TORCH", raising=False)
-    wide = _rand(1, K + 5, dtype=dtype, seed=K)
-    x = wide[:, :K]  # a row stride beyond the width
-    w = _rand(N, K, dtype=dtype, seed=N) / math.sqrt(K)
-    b = _rand(N, dtype=dtype, seed=3) if bias else None
-    got = fused.gemv(x, w, b)
-    assert got.shape == (1, N) and got.dtype == dtype
-    ref = x.double() @ w.double().T + (0 if b is None else b.double())
-    torch.testing.assert_close(got.double(), ref, **TOL[dtype])
-    with pytest.raises(ValueError, match="gemv takes"):
-        fused.gemv(torch.cat([x, x]), w, b)
-    torch_out = torch.nn.functional.linear(x, w, b)
-    if DEVICE.type == "cuda" and dtype != torch.float32:
-        torch.testing.assert_close(fused.linear(x, w, b).double(), torch_out.double(), **TOL[dtype])
-    else:  # the interpreter and float32 keep torch's GEMM (and its exact results)
-        assert torch.equal(fused.linear(x, w, b), torch_out)
-    monkeypatch.setenv("KVGEN_GEMV", "0")
-    assert torch.equal(fused.linear(x, w, b), torch_out)
