@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|chooser8] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -249,14 +249,6 @@ if [ "$what" = mends7 ]; then
   timeout 200 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
     tests/test_cuda_backend.py -k "window or int8-128-16 or fp8" >"$OUT/pytest-gpu-mends7.log" 2>&1
   echo "seventh-set mends, CUDA GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-mends7.log" | tail -8 | cut -c1-200
-fi
-if [ "$what" = chooser8 ]; then
-  # About 2 minutes, the eighth set's last call: issue 14's engine steps (async only) with the decode backends
-  # timed at half of each end's context too (kvgen/engine/loader.py decode_choice_shapes).
-  timeout 150 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-only \
-    --out "$OUT/engine_step.json" >"$OUT/engine_step.log" 2>&1; echo "engine step: exit $?"
-  grep -E "decode kernel" "$OUT/engine_step.log" | cut -c1-200
-  grep '"kind"' "$OUT/engine_step.log" | cut -c1-200
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"

@@ -53,6 +53,9 @@ def main(argv=None) -> int:
                             print(f"  {scheme} {backend} {cfg}: {type(e).__name__}: {e}", file=sys.stderr)
                         times[L].append(ms)
                     cache.__dict__.pop("_bench_inputs", None)
+                if any(all(t is None for t in times[L]) for L in lengths):
+                    print(f"{scheme} {backend}: no candidate ran at some length (above)", flush=True)
+                    continue
                 best = {L: min((t, i) for i, t in enumerate(times[L]) if t is not None) for L in lengths}
                 long_i = best[lengths[-1]][1]
                 rec = {"scheme": scheme, "backend": backend, "B": B, "Hq": Hq, "Hkv": Hkv,

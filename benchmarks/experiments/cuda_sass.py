@@ -106,8 +106,9 @@ def opcode(text: str) -> str:
 
 def largest_loop(instrs: list[tuple[int, str]]) -> list[tuple[int, str]]:
     """The instructions of the longest span [target, branch] of a backward branch that holds no EXIT and some
-    HMMA (the tile loop): the warp-divergence fallbacks nvcc places after the function's end branch back into
-    it, across its EXIT, and are no loop; the split combine's loops hold no MMA."""
+    HMMA (the tile loop; empty if there is none): the warp-divergence fallbacks nvcc places after the
+    function's end branch back into it, across its EXIT, and are no loop; loops without MMAs (an epilogue's)
+    are not the tile loop."""
     exits = [a for a, t in instrs if opcode(t) == "EXIT"]
     mmas = [a for a, t in instrs if opcode(t) == "HMMA"]
     best: tuple[int, int] | None = None

@@ -95,32 +95,20 @@ def check_kernel_backend(backend: str, device: torch.device) -> str:
     return "triton"
 
 
-def decode_choice_shapes(max_model_len: int, max_num_seqs: int, capacity_tokens: int) -> list[tuple[int, int]]:
-    """The (batch, context) shapes at which an ``auto`` package's decode backends are timed against each other.
-
-    The engine's two ends of decode (one sequence of ``max_model_len`` tokens, ``max_num_seqs`` sequences
-    sharing the cache's capacity), each at its longest context and at half of it: a decode graph serves every
-    length up to its longest, and two kernels that tie there can differ at shorter ones (H200, 2026-12-03:
-    bf16 at one sequence, CUDA 0.0406 ms and Triton 0.0403 at 32K tokens, while at the 16K the benchmark's
-    steps ran CUDA took 21.7 us a layer in the graph and Triton 26).
-    """
-    full = max(1, min(max_model_len, capacity_tokens // max(1, max_num_seqs)))
-    shapes = [(1, max_model_len), (1, max(1, max_model_len // 2)), (max_num_seqs, full), (max_num_seqs, max(1, full // 2))]
-    return list(dict.fromkeys(shapes))
-
-
 def decide_decode_kernel(cache: Any, autotune: bool, max_model_len: int, max_num_seqs: int) -> Any:
     """The decode kernel an ``auto`` package's ``cache`` runs from now on, and why (a BackendChoice).
 
     With ``autotune`` the runtime decides now (``cache.choose_backend``: a
-    remembered choice, else the variants timed, and persisted) at
-    :func:`decode_choice_shapes`; without, the choice the cache made at load
-    stands (the runtime would not time them either). Call it before any CUDA
-    graph is captured over ``cache.kernels["decode"]``.
+    remembered choice, else the variants timed, and persisted) at the
+    engine's two ends of decode: one sequence of ``max_model_len`` tokens,
+    and ``max_num_seqs`` sequences sharing the cache's capacity; without,
+    the choice the cache made at load stands (the runtime would not time
+    them either). Call it before any CUDA graph is captured over
+    ``cache.kernels["decode"]``.
     """
     if autotune or "decode" not in cache.backend_choices:  # one decode variant: nothing to time, it says so
-        shapes = decode_choice_shapes(max_model_len, max_num_seqs, cache.capacity_tokens)
-        return cache.choose_backend("decode", shapes, plan_shapes=False)
+        full = max(1, min(max_model_len, cache.capacity_tokens // max_num_seqs))
+        return cache.choose_backend("decode", [(1, max_model_len), (max_num_seqs, full)], plan_shapes=False)
     return cache.backend_choices["decode"]
 
 

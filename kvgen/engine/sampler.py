@@ -9,6 +9,7 @@ penalized logits. Log-probabilities are of the raw model distribution.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,12 +113,14 @@ class PendingSample:
 
 
 ARGMAX_CHUNK = 512
-"""About how many entries a row's first argmax pass reduces at a time (rows wider than four chunks take two passes)."""
+"""The least chunk width a row's first argmax pass aims for (rows wider than four of them take two passes)."""
 
 
+@functools.lru_cache(maxsize=64)
 def _argmax_chunk(v: int) -> int:
-    """A chunk width for rows of ``v`` entries: a divisor of ``v`` near :data:`ARGMAX_CHUNK` when there is one
-    (the row splits into chunks as a view), else :data:`ARGMAX_CHUNK` (the row is padded)."""
+    """A chunk width for rows of ``v`` entries: the first divisor of ``v`` from :data:`ARGMAX_CHUNK` up to four
+    times it, else the first one below it down to half (the row splits into chunks as a view), else
+    :data:`ARGMAX_CHUNK` (the row is padded). Cached: it is looked up at every sampling step."""
     for c in range(ARGMAX_CHUNK, 4 * ARGMAX_CHUNK + 1):
         if v % c == 0:
             return c
@@ -130,17 +133,16 @@ def _argmax_chunk(v: int) -> int:
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=1)`` of a 2-D tensor, the same indices (the first maximal entry, NaN counting as maximal).
 
-    Wide rows take two passes: each chunk of about :data:`ARGMAX_CHUNK` entries to its maximum and index,
-    then the best chunk. torch reduces a row in one pass, which at batch 1 over a 128K vocabulary ran 27 us
-    on an H200 between two decode graphs; two passes took 16 us with chunks of 2,672 entries and 10 us with
-    chunks of 668 (2026-12-03 engine profiles): more chunks spread the first pass over more of the GPU.
+    Wide rows take two passes: each chunk of :func:`_argmax_chunk` entries to its maximum and index, then the
+    best chunk. torch's one pass over a single 128K-entry row is latency-bound on a GPU; the two passes are a
+    few small kernels (measured in benchmarks/results/2026-12-03-nvidia-h200/README.md).
     """
     n, v = x.shape
     if v <= 4 * ARGMAX_CHUNK or n == 0:
         return x.argmax(dim=1)
     c = _argmax_chunk(v)
-    # padding with -inf never wins a chunk (a chunk of only padding lies past every real one, and ties go to
-    # the first maximal chunk)
+    # the padding (-inf) follows the row's last entry: it can tie the last chunk's maximum only where that is
+    # -inf too, and ties go to the first index, a real entry
     xp = torch.nn.functional.pad(x, (0, -v % c), value=float("-inf")) if v % c else x
     vals, idx = xp.reshape(n, -1, c).max(dim=2)
     best = vals.argmax(dim=1)

@@ -222,20 +222,3 @@ def test_auto_on_a_gpu_times_the_decode_kernels_once_and_generates_triton_tokens
     assert again.backend == first.backend
     if len(first.ms) == 2:  # both kernels ran: the choice was persisted, the next start reuses it
         assert again.origin == "remembered", again
-
-
-def test_decode_backends_are_timed_at_both_ends_and_half_their_contexts():
-    """The shapes an auto package's decode backends are timed at: one sequence of max_model_len and
-    max_num_seqs sequences sharing the capacity, each also at half its context (graphs serve shorter ones);
-    duplicates dropped. decide_decode_kernel passes them to the runtime, plan shapes off."""
-    from kvgen.engine.loader import decide_decode_kernel, decode_choice_shapes
-
-    assert decode_choice_shapes(32768, 32, 2**20) == [(1, 32768), (1, 16384), (32, 32768), (32, 16384)]
-    assert decode_choice_shapes(4096, 64, 64 * 1024) == [(1, 4096), (1, 2048), (64, 1024), (64, 512)]
-    assert decode_choice_shapes(16, 1, 10**6) == [(1, 16), (1, 8)]
-    calls = []
-    cache = types.SimpleNamespace(capacity_tokens=64 * 1024, backend_choices={"decode": "loaded"},
-                                  choose_backend=lambda op, shapes, plan_shapes: calls.append((op, shapes, plan_shapes)))
-    decide_decode_kernel(cache, True, 4096, 64)
-    assert calls == [("decode", decode_choice_shapes(4096, 64, 64 * 1024), False)]
-    assert decide_decode_kernel(cache, False, 4096, 64) == "loaded" and len(calls) == 1
