@@ -113,7 +113,8 @@ class PendingSample:
 
 
 ARGMAX_CHUNK = 512
-"""The least chunk width a row's first argmax pass aims for (rows wider than four of them take two passes)."""
+"""Where the search for a row's argmax chunk width starts (:func:`_argmax_chunk`); rows wider than four of it
+take two passes."""
 
 
 @functools.lru_cache(maxsize=64)
