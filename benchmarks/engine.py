@@ -94,7 +94,7 @@ def run_until(engine, cond, max_steps=10**7) -> int:
 def step_records(kvs, shapes, bw, steps, hf_static, async_scheduling=False, hf=True) -> list[dict]:
     """kvgen's decode step per (shape, KV) and, with ``hf``, HF ``generate``'s (dynamic; static too with
     ``hf_static``) in the same process."""
-    from kvgen.engine import SamplingParams
+    from kvgen.engine import SamplingParams, gemv
 
     out = []
     for B, L in shapes:
@@ -116,9 +116,11 @@ def step_records(kvs, shapes, bw, steps, hf_static, async_scheduling=False, hf=T
             ms = (time.perf_counter() - t) * 1e3 / steps
             kv_bytes = B * (L + steps // 2) * eng.plan.kv_bytes_per_token
             roof = (weight_bytes(eng) + kv_bytes) / bw * 1e3
+            graphs = getattr(eng.runner, "graphs", None)
             rec = dict(kind="step", engine="kvgen", kv=kv, B=B, context=L, ms=ms, roofline_ms=roof,
                        vs_roofline=ms / roof, graph_steps=eng.runner.graph_steps, async_scheduling=async_scheduling,
-                       async_steps=eng.num_async_steps)
+                       async_steps=eng.num_async_steps, gemv=gemv.enabled(),
+                       gemv_choices=[c.describe() for c in getattr(graphs, "gemv_choices", [])])
             log(json.dumps(rec))
             out.append(rec)
             holder = [eng]
@@ -305,6 +307,9 @@ def main(argv=None) -> int:
 
     ap.add_argument("--async-only", action="store_true",
                     help="step part: only the async-scheduling steps (no synchronous ones, no HF)")
+    ap.add_argument("--gemv-ab", action="store_true",
+                    help="step part: time every kvgen step with the small-batch GEMV off (KVGEN_GEMV=0, cuBLAS "
+                         "everywhere) and then on, in this process (records with gemv false/true)")
     ap.add_argument("--kernel-backend", default=DEFAULT_ENGINE_BACKEND, choices=ENGINE_BACKENDS,
                     help="the kvgen engines' kernels (cuda: the CUDA decode kernel where the scheme has one)")
     ap.add_argument("--autotune", choices=("cached", "sync"), default=None,
@@ -352,7 +357,9 @@ def main(argv=None) -> int:
         if not args.async_only:
             attempt(step_records, kvs, shapes, bw, n, not (q or args.no_hf_static or args.no_hf), hf=not args.no_hf)
         if args.async_scheduling or args.async_only:
-            attempt(step_records, kvs, shapes, bw, n, False, async_scheduling=True, hf=False)
+            for switch in ("0", "1") if args.gemv_ab else (os.environ.get("KVGEN_GEMV", "1"),):
+                os.environ["KVGEN_GEMV"] = switch
+                attempt(step_records, kvs, shapes, bw, n, False, async_scheduling=True, hf=False)
     if "throughput" in parts:
         reqs = workload(64 if q else 1000, prompt=(128, 512) if q else (512, 2048), output=(32, 128) if q else (128, 512))
         for kv in kvs:

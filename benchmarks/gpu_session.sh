@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|gemv] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -249,6 +249,24 @@ if [ "$what" = mends7 ]; then
   timeout 200 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
     tests/test_cuda_backend.py -k "window or int8-128-16 or fp8" >"$OUT/pytest-gpu-mends7.log" 2>&1
   echo "seventh-set mends, CUDA GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-mends7.log" | tail -8 | cut -c1-200
+fi
+if [ "$what" = gemv ]; then
+  # About 8 minutes: the small-batch GEMV (kvgen/engine/gemv.cu) -- its GPU tests, the GEMV against cuBLAS per
+  # Llama-3-8B projection at 1, 2 and 4 rows, the engine's steps with it off and on in one process (bf16 and
+  # int4 KV, async scheduling), then the engine's GPU tests (graph decode = eager, with the GEMV chosen).
+  # Everything is archived into gemv.tgz (the device tool returns only a few files).
+  timeout 120 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/engine/test_gemv.py >"$OUT/pytest-gpu-gemv.log" 2>&1
+  echo "GEMV GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-gemv.log" | tail -8 | cut -c1-200
+  timeout 120 python3 -m benchmarks.experiments.gemv_cuda --out "$OUT/gemv_cuda.json" >"$OUT/gemv_cuda.log" 2>&1
+  echo "GEMV vs cuBLAS: exit $?"; cut -c1-250 "$OUT/gemv_cuda.log"
+  timeout 330 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-only --gemv-ab \
+    --out "$OUT/engine_step.json" >"$OUT/engine_step.log" 2>&1; echo "engine step, GEMV off/on: exit $?"
+  grep '"kind"' "$OUT/engine_step.log" | cut -c1-330
+  timeout 110 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/engine/test_gpu.py >"$OUT/pytest-gpu-engine.log" 2>&1
+  echo "engine GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-engine.log" | tail -6 | cut -c1-200
+  tar czf /tmp/gemv.tgz -C "$OUT" . && find "$OUT" -mindepth 1 ! -name env.txt -delete && mv /tmp/gemv.tgz "$OUT/"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"

@@ -57,7 +57,8 @@ def test_kvgen_wheel_builds_without_warnings_and_ships_kvgen_only(tmp_path):
     names = set(names)
     # Every module of kvgen, every built-in plugin and every template ships (a new subpackage
     # missing from pyproject's package list fails here)...
-    expected = {p.relative_to(REPO).as_posix() for p in (REPO / "kvgen").rglob("*.py") if "__pycache__" not in p.parts}
+    expected = {p.relative_to(REPO).as_posix() for p in (REPO / "kvgen").rglob("*") if p.suffix in (".py", ".cu")
+                and "__pycache__" not in p.parts}
     expected |= {"kvgen_plugins/" + p.name for p in (REPO / "plugins").glob("*.py")}
     expected |= {"kvgen_plugins/macros/" + p.relative_to(REPO / "plugins" / "macros").as_posix()
                  for p in (REPO / "plugins" / "macros").rglob("*.j2")}

@@ -20,7 +20,9 @@ step after a fork has them) and without cold pages (a host tier's pages
 staged inside the layer loop); anything else runs eagerly through the
 runtime (the same model code). The decode config is fixed at capture: the
 runtime's choice for the bucket's batch at the longest context
-(``KVCache.kernel_config``).
+(``KVCache.kernel_config``). Before the first capture the buckets of up to
+:data:`.gemv.MAX_ROWS` rows time cuBLAS against kvgen's GEMV for each
+projection shape (:func:`.gemv.choose`); the graphs keep what won.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 
+from . import gemv
 from .model import CausalLM
 
 SMALL_BUCKETS = (1, 2, 4, 8)
@@ -76,6 +79,9 @@ class DecodeGraphs:
         # the per-stream split counters of a package whose decode module has no split_counters) then
         # exists before the capture, not inside it.
         stream = torch.cuda.Stream(dev) if capture else None
+        # the projections' kernel per small bucket, decided before any capture keeps it (what won, and the times)
+        self.gemv_choices = gemv.choose(model, [b for b in self.buckets if b <= gemv.MAX_ROWS],
+                                        verbose=verbose) if capture else []
         for i, key in enumerate(variants):
             b = key[0]
             if verbose:

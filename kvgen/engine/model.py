@@ -11,7 +11,9 @@ runs one GEMM for them (at batch 1 every kernel launch counts).
 The elementwise work between the GEMMs runs as four fused kernels per
 layer (:mod:`.fused`): residual add + RMSNorm twice, q/k/v split + q/k
 norm + RoPE into contiguous q, k, v (what the cache write and attention
-read, so no copies), and SiLU(gate) * up.
+read, so no copies), and SiLU(gate) * up. The projections go through
+:func:`.gemv.linear`: ``nn.functional.linear``, or for the few rows of a
+small decode batch kvgen's GEMV where the decode graphs found it faster.
 
 ``forward(input_ids, positions, attend)`` runs every layer over the step's
 flat tokens; ``attend(layer, q, k, v)`` (``q [T, Hq, D]``, ``k``/``v``
@@ -34,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import fused
+from . import fused, gemv
 from .config import ModelConfig
 from .rope import Rotary
 from .shard import TPShard
@@ -63,7 +65,7 @@ class Linear(nn.Module):
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return gemv.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -74,7 +76,7 @@ class RowParallelLinear(Linear):
         self.shard = shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(x, self.weight)
+        y = gemv.linear(x, self.weight)
         dist.all_reduce(y, group=self.shard.group)  # the group is set after the model is built
         return y if self.bias is None else y + self.bias
 
@@ -123,7 +125,7 @@ class Attention(nn.Module):
     def forward(self, layer: int, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
                 attend: Attend) -> torch.Tensor:
         T, D = x.shape[0], self.cfg.head_dim
-        qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias)
         # one kernel: contiguous q, k, v (no copies before the cache write), q/k norms, RoPE
         norms = (self.q_norm.weight, self.k_norm.weight) if self.cfg.qk_norm else (None, None)
         q, k, v = fused.qkv_rope(qkv, positions, rotary.cos, rotary.sin, self.sizes[0] // D, self.sizes[1] // D, D,
@@ -146,7 +148,7 @@ class MLP(nn.Module):
         self.inter = I
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate_up = gemv.linear(x, self.gate_up_weight, self.gate_up_bias)
         return self.down_proj(fused.silu_mul(gate_up))
 
 

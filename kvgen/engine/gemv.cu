@@ -1,0 +1,185 @@
+// kvgen engine: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for a few rows x (a decode step's small batch).
+//
+// Built by kvgen.engine.gemv through the runtime's CUDA loader (nvcc, the build cache keyed by this file's text)
+// and called through ctypes on torch's current stream, so CUDA graphs capture it.
+//
+// Why it exists: at batch 1 cuBLAS reads a Llama-3-8B layer's q/k/v and o projections at about 0.6-0.75 of the
+// copy bandwidth on an H200 (and splits o's K with a second reduce kernel); a decode step is a pass over the
+// weights, so those bytes set its time. Design: one warp owns ROWS output columns (weight rows); its lanes walk
+// k in 16-byte vectors (8 values), UNROLL vectors per lane in flight before any arithmetic, so a resident warp
+// keeps ROWS * UNROLL * 512 bytes of loads outstanding and one wave of warps covers a 4096 x 4096 matrix. The
+// weights are read once (L1 no-allocate); x is small and stays cached. float32 accumulation, one rounding.
+//
+// Contract (checked by the caller): K % 8 == 0; x, w, bias, out 16-byte aligned (x and out rows too: the row
+// strides are multiples of 8 elements); w row-major [N, K] (unit stride in k); 1 <= m <= M_MAX.
+
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+
+// 8 packed 16-bit values -> float, by type
+__device__ __forceinline__ void to_float8(const uint4& v, float* f, const __nv_bfloat16*) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // a bfloat16 is the top half of a float32: shifts, no conversion instruction
+    f[2 * i] = __uint_as_float(u[i] << 16);
+    f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+  }
+}
+
+__device__ __forceinline__ void to_float8(const uint4& v, float* f, const __half*) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&u[i]));
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
+
+// A weight vector, read once: not kept in L1.
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+constexpr int WARPS = 4;  // per block: small blocks, so the last wave of a narrow matrix is short
+
+template <typename T, int M_MAX, int ROWS, int UNROLL>
+__global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const T* __restrict__ x, const T* __restrict__ w,
+                                                          const T* __restrict__ bias, T* __restrict__ out, int m,
+                                                          int n, int k, long long x_stride, long long out_stride) {
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
+  if (row0 >= n) return;
+  const int k8 = k >> 3;
+  const uint4* wv[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    // rows past n repeat the last one (computed, never stored): no branch in the loop
+    const int row = row0 + r < n ? row0 + r : n - 1;
+    wv[r] = reinterpret_cast<const uint4*>(w + (long long)row * k);
+  }
+  float acc[M_MAX][ROWS];
+#pragma unroll
+  for (int i = 0; i < M_MAX; ++i)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[i][r] = 0.f;
+
+  for (int base = 0; base < k8; base += 32 * UNROLL) {
+    uint4 wreg[ROWS][UNROLL];
+    // every load of this chunk issued before the first use
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int idx = base + u * 32 + lane;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) wreg[r][u] = idx < k8 ? load_stream(wv[r] + idx) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int idx = base + u * 32 + lane;
+      if (idx >= k8) continue;
+#pragma unroll
+      for (int i = 0; i < M_MAX; ++i) {
+        if (i >= m) break;
+        float xf[8];
+        to_float8(__ldg(reinterpret_cast<const uint4*>(x + i * x_stride) + idx), xf, x);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          float wf[8];
+          to_float8(wreg[r][u], wf, w);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[i][r] = fmaf(wf[j], xf[j], acc[i][r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < M_MAX; ++i) {
+    if (i >= m) break;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      float v = acc[i][r];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+      acc[i][r] = v;
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int row = row0 + r;
+      if (row >= n) break;
+      const float b = bias != nullptr ? to_float(bias[row]) : 0.f;
+#pragma unroll
+      for (int i = 0; i < M_MAX; ++i) {
+        if (i >= m) break;
+        store(out + i * out_stride + row, acc[i][r] + b);
+      }
+    }
+  }
+}
+
+template <typename T, int M_MAX, int ROWS, int UNROLL>
+int launch(const void* x, const void* w, const void* bias, void* out, int m, int n, int k, long long xs,
+           long long os, cudaStream_t stream) {
+  const int blocks = (n + WARPS * ROWS - 1) / (WARPS * ROWS);
+  gemv_kernel<T, M_MAX, ROWS, UNROLL><<<blocks, WARPS * 32, 0, stream>>>(
+      static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(bias), static_cast<T*>(out), m, n,
+      k, xs, os);
+  return (int)cudaGetLastError();
+}
+
+// The configs: (rows per warp, vectors per lane in flight). The Python side names them by index.
+template <typename T, int M_MAX>
+int launch_config(int config, const void* x, const void* w, const void* bias, void* out, int m, int n, int k,
+                  long long xs, long long os, cudaStream_t stream) {
+  switch (config) {
+    case 0: return launch<T, M_MAX, 1, 8>(x, w, bias, out, m, n, k, xs, os, stream);
+    case 1: return launch<T, M_MAX, 2, 4>(x, w, bias, out, m, n, k, xs, os, stream);
+    case 2: return launch<T, M_MAX, 4, 2>(x, w, bias, out, m, n, k, xs, os, stream);
+    case 3: return launch<T, M_MAX, 1, 4>(x, w, bias, out, m, n, k, xs, os, stream);
+    default: return -1;
+  }
+}
+
+template <typename T>
+int launch_rows(int config, const void* x, const void* w, const void* bias, void* out, int m, int n, int k,
+                long long xs, long long os, cudaStream_t stream) {
+  if (m == 1) return launch_config<T, 1>(config, x, w, bias, out, m, n, k, xs, os, stream);
+  if (m == 2) return launch_config<T, 2>(config, x, w, bias, out, m, n, k, xs, os, stream);
+  if (m <= 4) return launch_config<T, 4>(config, x, w, bias, out, m, n, k, xs, os, stream);
+  return -1;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The ABI version of kvgen_gemv's parameter list (the Python wrapper checks it).
+int kvgen_abi_version(void) { return 1; }
+
+const char* kvgen_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
+
+// out[i, :] = x[i, :] @ w^T (+ bias) for i < m on `stream`; dtype 0 = float16, 1 = bfloat16; strides in elements.
+// Returns 0, a CUDA error code, or -1 for an unknown config or m outside 1..4.
+int kvgen_gemv(const void* x, const void* w, const void* bias, void* out, int m, int n, int k, long long x_stride,
+               long long out_stride, int dtype, int config, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (dtype == 1) return launch_rows<__nv_bfloat16>(config, x, w, bias, out, m, n, k, x_stride, out_stride, s);
+  if (dtype == 0) return launch_rows<__half>(config, x, w, bias, out, m, n, k, x_stride, out_stride, s);
+  return -1;
+}
+
+}  // extern "C"

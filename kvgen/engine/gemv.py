@@ -1,0 +1,226 @@
+"""Small-batch projections: kvgen's CUDA GEMV (``gemv.cu``) where it beats cuBLAS, decided per weight shape by timing.
+
+A decode step at batch 1 is a pass over the weights, and cuBLAS reads the
+small projections of a Llama-3-8B layer well below the copy bandwidth at
+that size on an H200 (q/k/v at 0.76, o at 0.58 with a split-K reduce
+kernel after it: 2026-12-03 engine profile). :func:`linear` is
+``nn.functional.linear`` except for the shapes :func:`choose` found the
+GEMV faster on: there, one to :data:`MAX_ROWS` rows of ``x`` run the GEMV.
+
+:func:`choose` times, for each group of same-shaped weights of a model (the
+layers' q/k/v, o, gate/up and down matrices) and each row count the decode
+graphs capture up to :data:`MAX_ROWS`, cuBLAS against each GEMV config in a
+CUDA graph cycling over the group's weights (each call finds its weights
+cold, as in a step), checks the winner against cuBLAS's output, and keeps
+the faster. Choices are per process and device, keyed by shape and dtype;
+nothing else changes: larger batches, other devices, the CPU and the
+interpreter run ``nn.functional.linear``. ``KVGEN_GEMV=0`` turns the GEMV
+off (comparisons), as does a missing nvcc with no library built before.
+
+The library is built by the runtime's CUDA loader (nvcc, the build cache,
+atomic writes) from ``gemv.cu`` beside this file, and launched through
+ctypes on torch's current stream, so CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SOURCE = Path(__file__).with_name("gemv.cu")
+ABI_VERSION = 1
+MAX_ROWS = 4
+"""The most rows of ``x`` the GEMV takes (the kernel is built for 1, 2 and up to 4)."""
+CONFIGS = ("1 row x 8 vectors", "2 rows x 4 vectors", "4 rows x 2 vectors", "1 row x 4 vectors")
+"""The kernel's configs by index (weight rows per warp x 16-byte vectors per lane in flight; gemv.cu)."""
+CHECK_REL_L2 = 1e-2
+"""A GEMV result further than this from cuBLAS's (relative L2) is not used (a broken build, not rounding)."""
+_SWITCH = "KVGEN_GEMV"
+_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
+_P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+_ARGTYPES = [_P, _P, _P, _P, _I32, _I32, _I32, _I64, _I64, _I32, _I32, _P]
+
+_CHOICES: dict[tuple, int] = {}
+"""(device index, rows rounded up to 1, 2 or 4, N, K, dtype, has bias) -> the GEMV config that runs for it; absent: cuBLAS."""
+
+
+def enabled() -> bool:
+    """Whether :func:`choose` may pick the GEMV (``KVGEN_GEMV`` unset or not ``0``)."""
+    return os.environ.get(_SWITCH, "1") not in ("", "0")
+
+
+def _key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    # rows as the kernel instance that runs them (1, 2, up to 4): an eager step of 3 rows takes the choice its
+    # graph bucket of 4 made, and computes each row exactly as the graph does
+    rows = 1 << (x.shape[0] - 1).bit_length()
+    return (x.device.index, rows, weight.shape[0], weight.shape[1], weight.dtype, bias is not None)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`gemv` takes these tensors (CUDA, 16-bit, 1..MAX_ROWS rows, K % 8 == 0, 16-byte aligned rows)."""
+    if not (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS):
+        return False
+    K = weight.shape[1]
+    if (x.dtype not in _DTYPES or weight.dtype != x.dtype or x.shape[1] != K or K % 8 or x.device != weight.device
+            or weight.stride() != (K, 1) or x.stride(1) != 1 or x.stride(0) % 8 or not _aligned(x)
+            or not _aligned(weight)):
+        return False
+    return bias is None or (bias.dtype == x.dtype and bias.shape == (weight.shape[0],) and bias.stride(0) == 1
+                            and bias.device == x.device)
+
+
+def _function(device: torch.device):
+    from kvgen.runtime import cuda_loader
+
+    return cuda_loader.load_function(SOURCE, device, "kvgen_gemv", _ARGTYPES, ABI_VERSION)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: int = 0) -> torch.Tensor:
+    """``x [m, K] @ weight [N, K]^T (+ bias)`` -> a new ``[m, N]`` in ``x``'s dtype, by the GEMV kernel.
+
+    float32 accumulation, rounded once. Raises ValueError for tensors it does not take (:func:`supports`)
+    and the runtime's CudaBuildError when the kernel cannot be built or launched.
+    """
+    if not supports(x, weight, bias):
+        raise ValueError(f"gemv takes 1..{MAX_ROWS} rows of 16-bit x [m, K] and weight [N, K] on one CUDA device, "
+                         f"K % 8 == 0, contiguous 16-byte aligned rows; got x {list(x.shape)} {x.dtype} "
+                         f"strides {x.stride()}, weight {list(weight.shape)} {weight.dtype} strides {weight.stride()}")
+    if not 0 <= config < len(CONFIGS):
+        raise ValueError(f"config must be 0..{len(CONFIGS) - 1}, got {config}")
+    m, (N, K) = x.shape[0], weight.shape
+    out = torch.empty(m, N, dtype=x.dtype, device=x.device)
+    rc = _function(x.device)(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                             out.data_ptr(), m, N, K, x.stride(0), out.stride(0), _DTYPES[x.dtype], config,
+                             torch.cuda.current_stream(x.device).cuda_stream)
+    if rc:
+        from kvgen.runtime import cuda_loader
+
+        raise cuda_loader.launch_error(SOURCE, rc)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``nn.functional.linear(x, weight, bias)``; the GEMV where :func:`choose` picked it for this shape."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and _CHOICES:
+        config = _CHOICES.get(_key(x, weight, bias))
+        if config is not None and supports(x, weight, bias):
+            return gemv(x, weight, bias, config)
+    return nn.functional.linear(x, weight, bias)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What :func:`choose` decided for one weight shape and row count (times in ms per call)."""
+
+    name: str
+    rows: int
+    shape: tuple[int, int]
+    cublas_ms: float
+    gemv_ms: float | None
+    config: int | None  # None: cuBLAS runs
+
+    def describe(self) -> str:
+        gemv_ms = "n/a" if self.gemv_ms is None else f"{self.gemv_ms * 1e3:.1f} us"
+        who = "cuBLAS" if self.config is None else f"GEMV ({CONFIGS[self.config]})"
+        return (f"{self.name} {self.shape[0]}x{self.shape[1]} at {self.rows} row(s): {who} "
+                f"(GEMV {gemv_ms}, cuBLAS {self.cublas_ms * 1e3:.1f} us)")
+
+
+def weight_groups(model: nn.Module) -> list[tuple[str, list[tuple[torch.Tensor, torch.Tensor | None]]]]:
+    """The model's decode projections grouped by name: each layer's (weight, bias) of q/k/v, o, gate/up, down."""
+    groups: dict[str, list] = {"qkv": [], "o": [], "gate_up": [], "down": []}
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        groups["qkv"].append((attn.qkv_weight, attn.qkv_bias))
+        groups["o"].append((attn.o_proj.weight, attn.o_proj.bias))
+        groups["gate_up"].append((mlp.gate_up_weight, mlp.gate_up_bias))
+        groups["down"].append((mlp.down_proj.weight, mlp.down_proj.bias))
+    return [(name, pairs) for name, pairs in groups.items() if pairs]
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _cycling(pairs: Sequence[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor, run):
+    """A call that runs ``run(x, w, b)`` over the group's weights in turn (``cycle``: whole turns per graph)."""
+    turn = iter(range(1 << 62))
+
+    def call():
+        w, b = pairs[next(turn) % len(pairs)]
+        return run(x, w, b)
+    call.cycle = len(pairs)
+    return call
+
+
+def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> list[Choice]:
+    """Decide, per projection group of ``model`` and row count in ``rows`` (<= MAX_ROWS), GEMV or cuBLAS.
+
+    Does nothing (returns []) off CUDA or when the kernel cannot be built (one warning); with
+    ``KVGEN_GEMV=0`` it also forgets every earlier choice. Call it before CUDA graphs are captured over the model: captured calls keep what ran then.
+    """
+    if not enabled():
+        clear()  # choices an earlier model made in this process stop too
+        return []
+    rows = sorted({1 << (int(r) - 1).bit_length() for r in rows if 1 <= int(r) <= MAX_ROWS})
+    groups = weight_groups(model)
+    if not rows or not groups:
+        return []
+    first = groups[0][1][0][0]
+    if not first.is_cuda or first.dtype not in _DTYPES:
+        return []
+    from kvgen.runtime.cuda_loader import CudaBuildError
+    from kvgen.runtime.kernel_timer import graph_time_ms
+
+    try:
+        _function(first.device)
+    except CudaBuildError as exc:
+        warnings.warn(f"kvgen: the small-batch GEMV is unavailable ({exc}); cuBLAS runs every projection",
+                      stacklevel=2)
+        return []
+    decided: list[Choice] = []
+    gen = torch.Generator(device=first.device).manual_seed(0)
+    for name, pairs in groups:
+        w0, b0 = pairs[0]
+        for m in rows:
+            x = torch.randn(m, w0.shape[1], device=w0.device, dtype=w0.dtype, generator=gen)
+            if not supports(x, w0, b0) or not all(supports(x, w, b) for w, b in pairs):
+                continue
+            key = _key(x, w0, b0)
+            _CHOICES.pop(key, None)
+            cublas_ms = graph_time_ms(_cycling(pairs, x, nn.functional.linear))
+            best, best_ms = None, None
+            want = nn.functional.linear(x, w0, b0)
+            for config in range(len(CONFIGS)):
+                if _rel_l2(gemv(x, w0, b0, config), want) > CHECK_REL_L2:
+                    continue
+                ms = graph_time_ms(_cycling(pairs, x, lambda x, w, b, c=config: gemv(x, w, b, c)))
+                if best_ms is None or ms < best_ms:
+                    best, best_ms = config, ms
+            use = best if best_ms is not None and best_ms < cublas_ms else None
+            if use is not None:
+                _CHOICES[key] = use
+            decided.append(Choice(name, m, tuple(w0.shape), cublas_ms, best_ms, use))
+    if verbose and decided:
+        used = [c for c in decided if c.config is not None]
+        print(f"kvgen: small-batch GEMV for {len(used)} of {len(decided)} projection shapes"
+              + (": " + "; ".join(c.describe() for c in used) if used else ""), file=sys.stderr)
+    return decided
+
+
+def clear() -> None:
+    """Forget every choice (cuBLAS runs everywhere again); tests and benchmarks comparing the two."""
+    _CHOICES.clear()

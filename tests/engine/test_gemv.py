@@ -1,0 +1,137 @@
+"""The small-batch GEMV (kvgen/engine/gemv.py, gemv.cu).
+
+CPU (CI): the source builds for sm_90a with nvcc (skipped only without nvcc),
+``linear`` is exactly ``nn.functional.linear`` wherever the GEMV does not run,
+and the tensors it refuses are refused. GPU (``-m gpu``): every config and
+row count against a float64 reference on random inputs (ragged K and N
+tails, bias, fp16 and bf16), inside a CUDA graph too, and ``choose`` keeps
+only what it timed faster and checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvgen.engine import gemv
+from kvgen.runtime import cuda_loader
+
+needs_nvcc = pytest.mark.skipif(cuda_loader.find_nvcc() is None, reason="nvcc (CUDA toolkit) not installed")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choices():
+    gemv.clear()
+    yield
+    gemv.clear()
+
+
+@needs_nvcc
+def test_gemv_source_builds_for_sm_90a(tmp_path):
+    lib = cuda_loader.build(gemv.SOURCE.read_text(), "sm_90a", root=tmp_path)
+    assert lib.is_file() and lib.stat().st_size > 0
+
+
+def test_linear_off_cuda_is_torch_linear():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 64, generator=g)
+    w, b = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
+    assert not gemv.supports(x, w, b)
+    assert torch.equal(gemv.linear(x, w, b), nn.functional.linear(x, w, b))
+    with pytest.raises(ValueError, match="gemv takes"):
+        gemv.gemv(x, w, b)
+
+
+def test_choose_does_nothing_off_cuda():
+    from kvgen.engine.config import ModelConfig
+    from kvgen.engine.weights import build_model, random_weights
+
+    cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     max_position_embeddings=128, rms_norm_eps=1e-5), "config")
+    net = random_weights(build_model(cfg, 128, torch.device("cpu"), torch.float32), 0)
+    assert [name for name, _ in gemv.weight_groups(net)] == ["qkv", "o", "gate_up", "down"]
+    assert all(len(pairs) == 2 for _, pairs in gemv.weight_groups(net))
+    assert gemv.choose(net, [1, 2, 4]) == []
+
+
+def _reference(x, w, b):
+    y = x.double() @ w.double().t()
+    return y if b is None else y + b.double()
+
+
+def _rel_l2(a, ref):
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 1352), (7, 264)])  # K % 256 != 0 and N % 16 != 0 tails
+def test_gemv_matches_float64(dtype, n, k):
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g)
+    b = torch.randn(n, device="cuda", dtype=dtype, generator=g)
+    for m in range(1, gemv.MAX_ROWS + 1):
+        x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g)
+        for bias in (None, b):
+            ref = _reference(x, w, bias)
+            torch_err = _rel_l2(nn.functional.linear(x, w, bias), ref)
+            for config in range(len(gemv.CONFIGS)):
+                y = gemv.gemv(x, w, bias, config)
+                assert y.shape == (m, n) and y.dtype == dtype
+                assert torch.isfinite(y).all()
+                # one rounding of a float32 sum: as close as cuBLAS's result, within a rounding step
+                assert _rel_l2(y, ref) <= max(2 * torch_err, 4e-3), (m, config, bias is None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gemv_rows_are_independent_of_the_row_count_and_capturable():
+    """A row's result does not depend on how many rows ran beside it (eager 3 rows = graph bucket 4), and a
+    captured call replays with the inputs' new values."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    for config in range(len(gemv.CONFIGS)):
+        assert torch.equal(gemv.gemv(x[:3], w, None, config), gemv.gemv(x, w, None, config)[:3])
+    static = x[:1].clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gemv.gemv(static, w)
+        with torch.cuda.graph(graph, stream=stream):
+            out = gemv.gemv(static, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    static.copy_(x[3:4])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gemv.gemv(x[3:4], w))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_choose_keeps_only_faster_checked_gemvs_and_linear_follows():
+    from kvgen.engine.config import ModelConfig
+    from kvgen.engine.weights import build_model, random_weights
+
+    cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=1024, hidden_size=2048, intermediate_size=4096,
+                                     num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                                     max_position_embeddings=512, rms_norm_eps=1e-5), "config")
+    net = random_weights(build_model(cfg, 512, torch.device("cuda"), torch.bfloat16), 0)
+    choices = gemv.choose(net, [1, 2, 3, 4, 8])
+    assert {c.rows for c in choices} == {1, 2, 4}  # 3 runs as 4; 8 is past MAX_ROWS
+    assert len(choices) == 4 * 3
+    for c in choices:
+        assert c.cublas_ms > 0 and (c.config is None or c.gemv_ms < c.cublas_ms)
+    attn = net.model.layers[0].self_attn
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    qkv = next(c for c in choices if c.name == "qkv" and c.rows == 1)
+    want = (gemv.gemv(x, attn.qkv_weight, attn.qkv_bias, qkv.config) if qkv.config is not None
+            else nn.functional.linear(x, attn.qkv_weight, attn.qkv_bias))
+    assert torch.equal(gemv.linear(x, attn.qkv_weight, attn.qkv_bias), want)
+    gemv.clear()
+    assert torch.equal(gemv.linear(x, attn.qkv_weight, attn.qkv_bias),
+                       nn.functional.linear(x, attn.qkv_weight, attn.qkv_bias))
