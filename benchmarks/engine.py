@@ -116,11 +116,12 @@ def step_records(kvs, shapes, bw, steps, hf_static, async_scheduling=False, hf=T
             ms = (time.perf_counter() - t) * 1e3 / steps
             kv_bytes = B * (L + steps // 2) * eng.plan.kv_bytes_per_token
             roof = (weight_bytes(eng) + kv_bytes) / bw * 1e3
-            graphs = getattr(eng.runner, "graphs", None)
+            # (no local name for the graphs: it would keep the engine's model and cache alive past release)
+            choices = [c.describe() for c in getattr(getattr(eng.runner, "graphs", None), "gemv_choices", [])]
             rec = dict(kind="step", engine="kvgen", kv=kv, B=B, context=L, ms=ms, roofline_ms=roof,
                        vs_roofline=ms / roof, graph_steps=eng.runner.graph_steps, async_scheduling=async_scheduling,
                        async_steps=eng.num_async_steps, gemv=gemv.enabled(),
-                       gemv_choices=[c.describe() for c in getattr(graphs, "gemv_choices", [])])
+                       gemv_choices=choices)
             log(json.dumps(rec))
             out.append(rec)
             holder = [eng]

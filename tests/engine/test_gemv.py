@@ -51,8 +51,11 @@ def test_choose_does_nothing_off_cuda():
                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                      max_position_embeddings=128, rms_norm_eps=1e-5), "config")
     net = random_weights(build_model(cfg, 128, torch.device("cpu"), torch.float32), 0)
-    assert [name for name, _ in gemv.weight_groups(net)] == ["qkv", "o", "gate_up", "down"]
-    assert all(len(pairs) == 2 for _, pairs in gemv.weight_groups(net))
+    groups = dict(gemv.weight_groups(net))
+    assert list(groups) == ["qkv", "o", "gate_up", "down", "lm_head"]
+    assert all(len(groups[name]) == 2 for name in ("qkv", "o", "gate_up", "down"))
+    head = net.model.embed_tokens.weight if net.lm_head is None else net.lm_head.weight
+    assert len(groups["lm_head"]) == 1 and groups["lm_head"][0][0] is head
     assert gemv.choose(net, [1, 2, 4]) == []
 
 
@@ -84,6 +87,28 @@ def test_gemv_matches_float64(dtype, n, k):
                 assert torch.isfinite(y).all()
                 # one rounding of a float32 sum: as close as cuBLAS's result, within a rounding step
                 assert _rel_l2(y, ref) <= max(2 * torch_err, 4e-3), (m, config, bias is None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gated_gemv_is_silu_mul_then_the_projection(dtype):
+    """SwiGLU's down projection in one kernel: the activation rounded where fused.silu_mul rounds it."""
+    from kvgen.engine import fused
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    n, k = 1000, 1352
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g)
+    b = torch.randn(n, device="cuda", dtype=dtype, generator=g)
+    for m in range(1, gemv.MAX_ROWS + 1):
+        gate_up = 3 * torch.randn(m, 2 * k, device="cuda", dtype=dtype, generator=g)
+        act = fused.silu_mul(gate_up)
+        for bias in (None, b):
+            ref = _reference(act, w, bias)
+            for config in range(len(gemv.CONFIGS)):
+                y = gemv.gemv(gate_up, w, bias, config, gated=True)
+                assert _rel_l2(y, ref) <= 4e-3, (m, config, bias is None)
+    assert not gemv.supports(gate_up[:, :k], w, None, gated=True)  # x must hold gate and up
 
 
 @pytest.mark.gpu
@@ -123,9 +148,10 @@ def test_choose_keeps_only_faster_checked_gemvs_and_linear_follows():
     net = random_weights(build_model(cfg, 512, torch.device("cuda"), torch.bfloat16), 0)
     choices = gemv.choose(net, [1, 2, 3, 4, 8])
     assert {c.rows for c in choices} == {1, 2, 4}  # 3 runs as 4; 8 is past MAX_ROWS
-    assert len(choices) == 4 * 3
+    assert len(choices) == 6 * 3  # five groups and the gated down projection, at 1, 2 and 4 rows
+    assert {c.baseline for c in choices if c.name == "silu_mul+down"} <= {"silu_mul + cuBLAS", "silu_mul + GEMV"}
     for c in choices:
-        assert c.cublas_ms > 0 and (c.config is None or c.gemv_ms < c.cublas_ms)
+        assert c.baseline_ms > 0 and (c.config is None or c.gemv_ms < c.baseline_ms)
     attn = net.model.layers[0].self_attn
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     qkv = next(c for c in choices if c.name == "qkv" and c.rows == 1)
