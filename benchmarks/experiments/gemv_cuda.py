@@ -18,9 +18,7 @@ import sys
 import torch
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-          "silu_mul+down": (4096, 14336), "lm_head": (128256, 4096)}
-"""silu_mul+down: x is [gate | up] (2 x 14336); cuBLAS there means fused.silu_mul then cuBLAS, the GEMV
-configs the gated GEMV (the activation folded in)."""
+          "lm_head": (128256, 4096)}
 COPIES = 8
 
 
@@ -39,7 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,2,4")
     args = ap.parse_args(argv)
     from benchmarks.run import copy_bandwidth
-    from kvgen.engine import fused, gemv
+    from kvgen.engine import gemv
     from kvgen.runtime.kernel_timer import graph_time_ms
 
     bw = copy_bandwidth()
@@ -47,15 +45,13 @@ def main(argv=None) -> int:
     for name, (N, K) in SHAPES.items():
         copies = 1 if name == "lm_head" else COPIES
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5 for _ in range(copies)]
-        gated = name == "silu_mul+down"
         for m in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(m, 2 * K if gated else K, device="cuda", dtype=torch.bfloat16)
-            ref = (fused.silu_mul(x) if gated else x).double() @ ws[0].double().t()
+            x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+            ref = x.double() @ ws[0].double().t()
             rec = {"name": name, "N": N, "K": K, "rows": m, "bytes": N * K * 2}
-            runs = {"cublas": (lambda x, w: torch.nn.functional.linear(fused.silu_mul(x), w)) if gated
-                    else torch.nn.functional.linear}
+            runs = {"cublas": torch.nn.functional.linear}
             for c in range(len(gemv.CONFIGS)):
-                runs[f"gemv{c}"] = lambda x, w, c=c: gemv.gemv(x, w, None, c, gated)
+                runs[f"gemv{c}"] = lambda x, w, c=c: gemv.gemv(x, w, None, c)
             line = [f"{name:8s} N={N:6d} K={K:5d} m={m}"]
             for label, f in runs.items():
                 err = float((f(x, ws[0]).double() - ref).norm() / ref.norm())

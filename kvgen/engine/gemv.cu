@@ -10,10 +10,6 @@
 // keeps ROWS * UNROLL * 512 bytes of loads outstanding and one wave of warps covers a 4096 x 4096 matrix. The
 // weights are read once (L1 no-allocate); x is small and stays cached. float32 accumulation, one rounding.
 //
-// Gated (SwiGLU's down projection): x's rows hold [gate | up] (2K values) and the input is silu(gate) * up,
-// computed as the unfused kernels compute it (kvgen.engine.fused.silu_mul: silu rounded to the dtype, then the
-// product rounded), so the step skips that kernel and its launch.
-//
 // Contract (checked by the caller): K % 8 == 0; x, w, bias, out 16-byte aligned (x and out rows too: the row
 // strides are multiples of 8 elements); w row-major [N, K] (unit stride in k); 1 <= m <= M_MAX.
 
@@ -59,19 +55,14 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return v;
 }
 
-// x as float, rounded to T: where the unfused model rounds silu(gate) * up (kvgen.engine.fused.silu_mul)
-__device__ __forceinline__ float round_to(float v, const __nv_bfloat16*) { return __bfloat162float(__float2bfloat16_rn(v)); }
-__device__ __forceinline__ float round_to(float v, const __half*) { return __half2float(__float2half_rn(v)); }
-
 // One chunk of the k loop: UNROLL vectors per lane from each of the warp's ROWS weight rows and each of the m
 // rows of x (lane's vector idx0 + 32 u), all loaded before the first use, then multiplied into acc. CHECKED: the
-// chunk may run past k (the tail); those vectors read as zeros and add nothing. GATED: a row of x is
-// [gate (k) | up (k)] and the GEMV's input is silu(gate) * up, rounded as the unfused kernels round it.
-template <typename T, int M_MAX, int ROWS, int UNROLL, bool CHECKED, bool GATED>
+// chunk may run past k (the tail); those vectors read as zeros and add nothing. (nvcc writes every load first in
+// PTX; ptxas then interleaves them with the FMAs, two vectors per lane in flight: measured, 2026-12-03.)
+template <typename T, int M_MAX, int ROWS, int UNROLL, bool CHECKED>
 __device__ __forceinline__ void chunk(float (&acc)[M_MAX][ROWS], const uint4* const (&wv)[ROWS], const T* x, int m,
                                       long long x_stride, int idx0, int k8) {
-  constexpr int XV = GATED ? 2 : 1;  // vectors of x per element vector: gate and up
-  uint4 wreg[ROWS][UNROLL], xreg[M_MAX][UNROLL][XV];
+  uint4 wreg[ROWS][UNROLL], xreg[M_MAX][UNROLL];
   const T* tag = nullptr;
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
@@ -81,27 +72,13 @@ __device__ __forceinline__ void chunk(float (&acc)[M_MAX][ROWS], const uint4* co
     for (int r = 0; r < ROWS; ++r) wreg[r][u] = in ? load_stream(wv[r] + idx) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int i = 0; i < M_MAX; ++i)
-#pragma unroll
-      for (int v = 0; v < XV; ++v)
-        xreg[i][u][v] = in && i < m ? __ldg(reinterpret_cast<const uint4*>(x + i * x_stride) + v * k8 + idx)
-                                    : make_uint4(0, 0, 0, 0);
+      xreg[i][u] = in && i < m ? __ldg(reinterpret_cast<const uint4*>(x + i * x_stride) + idx) : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
     float xf[M_MAX][8];
 #pragma unroll
-    for (int i = 0; i < M_MAX; ++i) {
-      to_float8(xreg[i][u][0], xf[i], tag);
-      if constexpr (GATED) {
-        float up[8];
-        to_float8(xreg[i][u][XV - 1], up, tag);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float g = xf[i][j];
-          xf[i][j] = round_to(round_to(g / (1.0f + __expf(-g)), tag) * up[j], tag);
-        }
-      }
-    }
+    for (int i = 0; i < M_MAX; ++i) to_float8(xreg[i][u], xf[i], tag);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       float wf[8];
@@ -116,7 +93,7 @@ __device__ __forceinline__ void chunk(float (&acc)[M_MAX][ROWS], const uint4* co
 
 constexpr int WARPS = 4;  // per block: small blocks, so the last wave of a narrow matrix is short
 
-template <typename T, int M_MAX, int ROWS, int UNROLL, bool GATED>
+template <typename T, int M_MAX, int ROWS, int UNROLL>
 __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const T* __restrict__ x, const T* __restrict__ w,
                                                           const T* __restrict__ bias, T* __restrict__ out, int m,
                                                           int n, int k, long long x_stride, long long out_stride) {
@@ -140,8 +117,8 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const T* __restrict__ 
   // Whole chunks without bounds checks (their loads are free to issue together), then a checked tail.
   int base = 0;
   for (; base + 32 * UNROLL <= k8; base += 32 * UNROLL)
-    chunk<T, M_MAX, ROWS, UNROLL, false, GATED>(acc, wv, x, m, x_stride, base + lane, k8);
-  if (base < k8) chunk<T, M_MAX, ROWS, UNROLL, true, GATED>(acc, wv, x, m, x_stride, base + lane, k8);
+    chunk<T, M_MAX, ROWS, UNROLL, false>(acc, wv, x, m, x_stride, base + lane, k8);
+  if (base < k8) chunk<T, M_MAX, ROWS, UNROLL, true>(acc, wv, x, m, x_stride, base + lane, k8);
 #pragma unroll
   for (int i = 0; i < M_MAX; ++i) {
     if (i >= m) break;
@@ -170,10 +147,9 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const T* __restrict__ 
 
 template <typename T, int M_MAX, int ROWS, int UNROLL>
 int launch(const void* x, const void* w, const void* bias, void* out, int m, int n, int k, long long xs,
-           long long os, bool gated, cudaStream_t stream) {
+           long long os, cudaStream_t stream) {
   const int blocks = (n + WARPS * ROWS - 1) / (WARPS * ROWS);
-  auto kernel = gated ? gemv_kernel<T, M_MAX, ROWS, UNROLL, true> : gemv_kernel<T, M_MAX, ROWS, UNROLL, false>;
-  kernel<<<blocks, WARPS * 32, 0, stream>>>(
+  gemv_kernel<T, M_MAX, ROWS, UNROLL><<<blocks, WARPS * 32, 0, stream>>>(
       static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(bias), static_cast<T*>(out), m, n,
       k, xs, os);
   return (int)cudaGetLastError();
@@ -182,22 +158,22 @@ int launch(const void* x, const void* w, const void* bias, void* out, int m, int
 // The configs: (rows per warp, vectors per lane in flight). The Python side names them by index.
 template <typename T, int M_MAX>
 int launch_config(int config, const void* x, const void* w, const void* bias, void* out, int m, int n, int k,
-                  long long xs, long long os, bool gated, cudaStream_t stream) {
+                  long long xs, long long os, cudaStream_t stream) {
   switch (config) {
-    case 0: return launch<T, M_MAX, 1, 8>(x, w, bias, out, m, n, k, xs, os, gated, stream);
-    case 1: return launch<T, M_MAX, 2, 4>(x, w, bias, out, m, n, k, xs, os, gated, stream);
-    case 2: return launch<T, M_MAX, 4, 2>(x, w, bias, out, m, n, k, xs, os, gated, stream);
-    case 3: return launch<T, M_MAX, 1, 4>(x, w, bias, out, m, n, k, xs, os, gated, stream);
+    case 0: return launch<T, M_MAX, 1, 8>(x, w, bias, out, m, n, k, xs, os, stream);
+    case 1: return launch<T, M_MAX, 2, 4>(x, w, bias, out, m, n, k, xs, os, stream);
+    case 2: return launch<T, M_MAX, 4, 2>(x, w, bias, out, m, n, k, xs, os, stream);
+    case 3: return launch<T, M_MAX, 1, 4>(x, w, bias, out, m, n, k, xs, os, stream);
     default: return -1;
   }
 }
 
 template <typename T>
 int launch_rows(int config, const void* x, const void* w, const void* bias, void* out, int m, int n, int k,
-                long long xs, long long os, bool gated, cudaStream_t stream) {
-  if (m == 1) return launch_config<T, 1>(config, x, w, bias, out, m, n, k, xs, os, gated, stream);
-  if (m == 2) return launch_config<T, 2>(config, x, w, bias, out, m, n, k, xs, os, gated, stream);
-  if (m <= 4) return launch_config<T, 4>(config, x, w, bias, out, m, n, k, xs, os, gated, stream);
+                long long xs, long long os, cudaStream_t stream) {
+  if (m == 1) return launch_config<T, 1>(config, x, w, bias, out, m, n, k, xs, os, stream);
+  if (m == 2) return launch_config<T, 2>(config, x, w, bias, out, m, n, k, xs, os, stream);
+  if (m <= 4) return launch_config<T, 4>(config, x, w, bias, out, m, n, k, xs, os, stream);
   return -1;
 }
 
@@ -211,14 +187,12 @@ int kvgen_abi_version(void) { return 1; }
 const char* kvgen_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
 
 // out[i, :] = x[i, :] @ w^T (+ bias) for i < m on `stream`; dtype 0 = float16, 1 = bfloat16; strides in elements.
-// gated != 0: x's rows are [gate (k) | up (k)] and the input is silu(gate) * up (SwiGLU's down projection).
 // Returns 0, a CUDA error code, or -1 for an unknown config or m outside 1..4.
 int kvgen_gemv(const void* x, const void* w, const void* bias, void* out, int m, int n, int k, long long x_stride,
-               long long out_stride, int dtype, int config, int gated, void* stream) {
+               long long out_stride, int dtype, int config, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const bool g = gated != 0;
-  if (dtype == 1) return launch_rows<__nv_bfloat16>(config, x, w, bias, out, m, n, k, x_stride, out_stride, g, s);
-  if (dtype == 0) return launch_rows<__half>(config, x, w, bias, out, m, n, k, x_stride, out_stride, g, s);
+  if (dtype == 1) return launch_rows<__nv_bfloat16>(config, x, w, bias, out, m, n, k, x_stride, out_stride, s);
+  if (dtype == 0) return launch_rows<__half>(config, x, w, bias, out, m, n, k, x_stride, out_stride, s);
   return -1;
 }
 

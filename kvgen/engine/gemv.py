@@ -8,8 +8,8 @@ kernel after it: 2026-12-03 engine profile). :func:`linear` is
 GEMV faster on: there, one to :data:`MAX_ROWS` rows of ``x`` run the GEMV.
 
 :func:`choose` times, for each group of same-shaped weights of a model (the
-layers' q/k/v, o, gate/up and down matrices, and the LM head) and each row count the decode
-graphs capture up to :data:`MAX_ROWS`, cuBLAS against each GEMV config in a
+layers' q/k/v, o, gate/up and down matrices, and the LM head) and each row
+count the decode graphs capture up to :data:`MAX_ROWS`, cuBLAS against each GEMV config in a
 CUDA graph cycling over the group's weights (each call finds its weights
 cold, as in a step), checks the winner against cuBLAS's output, and keeps
 the faster. Choices are per process and device, keyed by shape and dtype;
@@ -35,8 +35,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import fused
-
 SOURCE = Path(__file__).with_name("gemv.cu")
 ABI_VERSION = 1
 MAX_ROWS = 4
@@ -48,11 +46,11 @@ CHECK_REL_L2 = 1e-2
 _SWITCH = "KVGEN_GEMV"
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-_ARGTYPES = [_P, _P, _P, _P, _I32, _I32, _I32, _I64, _I64, _I32, _I32, _I32, _P]
+_ARGTYPES = [_P, _P, _P, _P, _I32, _I32, _I32, _I64, _I64, _I32, _I32, _P]
 
 _CHOICES: dict[tuple, int] = {}
-"""(device index, rows rounded up to 1, 2 or 4, N, K, dtype, has bias, gated) -> the GEMV config that runs for it;
-absent: cuBLAS (after fused.silu_mul when gated)."""
+"""(device index, rows rounded up to 1, 2 or 4, N, K, dtype, has bias) -> the GEMV config that runs for it;
+absent: cuBLAS."""
 
 
 def enabled() -> bool:
@@ -60,25 +58,23 @@ def enabled() -> bool:
     return os.environ.get(_SWITCH, "1") not in ("", "0")
 
 
-def _key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> tuple:
+def _key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
     # rows as the kernel instance that runs them (1, 2, up to 4): an eager step of 3 rows takes the choice its
     # graph bucket of 4 made, and computes each row exactly as the graph does
     rows = 1 << (x.shape[0] - 1).bit_length()
-    return (x.device.index, rows, weight.shape[0], weight.shape[1], weight.dtype, bias is not None, gated)
+    return (x.device.index, rows, weight.shape[0], weight.shape[1], weight.dtype, bias is not None)
 
 
 def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> bool:
-    """Whether :func:`gemv` takes these tensors (CUDA, 16-bit, 1..MAX_ROWS rows, K % 8 == 0, 16-byte aligned rows;
-    ``gated``: x's rows are ``[gate | up]``, twice the weight's K)."""
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`gemv` takes these tensors (CUDA, 16-bit, 1..MAX_ROWS rows, K % 8 == 0, 16-byte aligned rows)."""
     if not (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS):
         return False
     K = weight.shape[1]
-    if (x.dtype not in _DTYPES or weight.dtype != x.dtype or x.shape[1] != (2 if gated else 1) * K or K % 8
-            or x.device != weight.device
+    if (x.dtype not in _DTYPES or weight.dtype != x.dtype or x.shape[1] != K or K % 8 or x.device != weight.device
             or weight.stride() != (K, 1) or x.stride(1) != 1 or x.stride(0) % 8 or not _aligned(x)
             or not _aligned(weight)):
         return False
@@ -92,16 +88,13 @@ def _function(device: torch.device):
     return cuda_loader.load_function(SOURCE, device, "kvgen_gemv", _ARGTYPES, ABI_VERSION)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: int = 0,
-         gated: bool = False) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: int = 0) -> torch.Tensor:
     """``x [m, K] @ weight [N, K]^T (+ bias)`` -> a new ``[m, N]`` in ``x``'s dtype, by the GEMV kernel.
 
-    float32 accumulation, rounded once. ``gated``: ``x [m, 2K]`` holds ``[gate | up]`` and the product is
-    ``silu(gate) * up`` (rounded as :func:`.fused.silu_mul` rounds) times ``weight^T``: SwiGLU's down
-    projection without its own activation kernel. Raises ValueError for tensors it does not take
-    (:func:`supports`) and the runtime's CudaBuildError when the kernel cannot be built or launched.
+    float32 accumulation, rounded once. Raises ValueError for tensors it does not take (:func:`supports`)
+    and the runtime's CudaBuildError when the kernel cannot be built or launched.
     """
-    if not supports(x, weight, bias, gated):
+    if not supports(x, weight, bias):
         raise ValueError(f"gemv takes 1..{MAX_ROWS} rows of 16-bit x [m, K] and weight [N, K] on one CUDA device, "
                          f"K % 8 == 0, contiguous 16-byte aligned rows; got x {list(x.shape)} {x.dtype} "
                          f"strides {x.stride()}, weight {list(weight.shape)} {weight.dtype} strides {weight.stride()}")
@@ -111,7 +104,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty(m, N, dtype=x.dtype, device=x.device)
     rc = _function(x.device)(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                              out.data_ptr(), m, N, K, x.stride(0), out.stride(0), _DTYPES[x.dtype], config,
-                             int(gated), torch.cuda.current_stream(x.device).cuda_stream)
+                             torch.cuda.current_stream(x.device).cuda_stream)
     if rc:
         from kvgen.runtime import cuda_loader
 
@@ -128,37 +121,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return nn.functional.linear(x, weight, bias)
 
 
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear(fused.silu_mul(gate_up), weight, bias)``; one gated GEMV where :func:`choose` picked that."""
-    if gate_up.is_cuda and gate_up.dim() == 2 and gate_up.shape[0] <= MAX_ROWS and _CHOICES:
-        config = _CHOICES.get(_key(gate_up, weight, bias, gated=True))
-        if config is not None and supports(gate_up, weight, bias, gated=True):
-            return gemv(gate_up, weight, bias, config, gated=True)
-    return linear(fused.silu_mul(gate_up), weight, bias)
-
-
 @dataclass(frozen=True)
 class Choice:
-    """What :func:`choose` decided for one weight shape and row count (times in ms per call).
-
-    ``baseline`` is what runs unless the GEMV wins: ``cuBLAS``, or for ``silu_mul+down`` (the gated GEMV
-    against the activation kernel and the down projection's own choice) ``silu_mul + cuBLAS`` or
-    ``silu_mul + GEMV``.
-    """
+    """What :func:`choose` decided for one weight shape and row count (times in ms per call)."""
 
     name: str
     rows: int
     shape: tuple[int, int]
-    baseline: str
-    baseline_ms: float
+    cublas_ms: float
     gemv_ms: float | None
-    config: int | None  # None: the baseline runs
+    config: int | None  # None: cuBLAS runs
 
     def describe(self) -> str:
         gemv_ms = "n/a" if self.gemv_ms is None else f"{self.gemv_ms * 1e3:.1f} us"
-        who = self.baseline if self.config is None else f"GEMV ({CONFIGS[self.config]})"
+        who = "cuBLAS" if self.config is None else f"GEMV ({CONFIGS[self.config]})"
         return (f"{self.name} {self.shape[0]}x{self.shape[1]} at {self.rows} row(s): {who} "
-                f"(GEMV {gemv_ms}, {self.baseline} {self.baseline_ms * 1e3:.1f} us)")
+                f"(GEMV {gemv_ms}, cuBLAS {self.cublas_ms * 1e3:.1f} us)")
 
 
 def weight_groups(model: nn.Module) -> list[tuple[str, list[tuple[torch.Tensor, torch.Tensor | None]]]]:
@@ -193,8 +171,7 @@ def _cycling(pairs: Sequence[tuple[torch.Tensor, torch.Tensor | None]], x: torch
 
 
 def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> list[Choice]:
-    """Decide, per projection group of ``model`` and row count in ``rows`` (<= MAX_ROWS), GEMV or cuBLAS; for
-    the down projection also whether the gated GEMV replaces the activation kernel and the projection.
+    """Decide, per projection group of ``model`` and row count in ``rows`` (<= MAX_ROWS), GEMV or cuBLAS.
 
     Does nothing (returns []) off CUDA or when the kernel cannot be built (one warning); with
     ``KVGEN_GEMV=0`` it also forgets every earlier choice. Call it before CUDA graphs are captured over
@@ -221,43 +198,27 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
         return []
     decided: list[Choice] = []
     gen = torch.Generator(device=first.device).manual_seed(0)
-
-    def pick(name, pairs, x, baseline, baseline_run, gated):
-        """Time ``baseline_run`` and every GEMV config over ``pairs``; record and return the Choice."""
-        w0, b0 = pairs[0]
-        key = _key(x, w0, b0, gated)
-        _CHOICES.pop(key, None)
-        base_ms = graph_time_ms(_cycling(pairs, x, baseline_run))
-        want = baseline_run(x, w0, b0)
-        best, best_ms = None, None
-        for config in range(len(CONFIGS)):
-            if _rel_l2(gemv(x, w0, b0, config, gated), want) > CHECK_REL_L2:
-                continue  # a broken build or config: never used
-            ms = graph_time_ms(_cycling(pairs, x, lambda x, w, b, c=config: gemv(x, w, b, c, gated)))
-            if best_ms is None or ms < best_ms:
-                best, best_ms = config, ms
-        use = best if best_ms is not None and best_ms < base_ms else None
-        if use is not None:
-            _CHOICES[key] = use
-        decided.append(Choice(name, x.shape[0], tuple(w0.shape), baseline, base_ms, best_ms, use))
-        return decided[-1]
-
     for name, pairs in groups:
         w0, b0 = pairs[0]
         for m in rows:
             x = torch.randn(m, w0.shape[1], device=w0.device, dtype=w0.dtype, generator=gen)
             if not all(supports(x, w, b) for w, b in pairs):
                 continue
-            plain = pick(name, pairs, x, "cuBLAS", nn.functional.linear, gated=False)
-            if name != "down":
-                continue
-            # SwiGLU: the activation folded into the down projection's GEMV, against the activation kernel
-            # followed by whatever the down projection just chose
-            gate_up = torch.randn(m, 2 * w0.shape[1], device=w0.device, dtype=w0.dtype, generator=gen)
-            if all(supports(gate_up, w, b, gated=True) for w, b in pairs):
-                unfused = "silu_mul + " + ("cuBLAS" if plain.config is None else "GEMV")
-                pick("silu_mul+down", pairs, gate_up, unfused, lambda x, w, b: linear(fused.silu_mul(x), w, b),
-                     gated=True)
+            key = _key(x, w0, b0)
+            _CHOICES.pop(key, None)
+            cublas_ms = graph_time_ms(_cycling(pairs, x, nn.functional.linear))
+            want = nn.functional.linear(x, w0, b0)
+            best, best_ms = None, None
+            for config in range(len(CONFIGS)):
+                if _rel_l2(gemv(x, w0, b0, config), want) > CHECK_REL_L2:
+                    continue  # a broken build or config: never used
+                ms = graph_time_ms(_cycling(pairs, x, lambda x, w, b, c=config: gemv(x, w, b, c)))
+                if best_ms is None or ms < best_ms:
+                    best, best_ms = config, ms
+            use = best if best_ms is not None and best_ms < cublas_ms else None
+            if use is not None:
+                _CHOICES[key] = use
+            decided.append(Choice(name, m, tuple(w0.shape), cublas_ms, best_ms, use))
     if verbose and decided:
         used = [c for c in decided if c.config is not None]
         print(f"kvgen: small-batch GEMV for {len(used)} of {len(decided)} projection shapes"

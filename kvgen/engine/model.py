@@ -67,11 +67,6 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemv.linear(x, self.weight, self.bias)
 
-    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``forward(silu(gate) * up)`` of ``gate_up = [gate | up]`` (SwiGLU's down projection; one kernel
-        where :func:`.gemv.choose` found that faster)."""
-        return gemv.silu_mul_linear(gate_up, self.weight, self.bias)
-
 
 class RowParallelLinear(Linear):
     """A Linear holding its input columns of this rank: ``y = all_reduce(x W_r^T) + b`` (bias whole, added once)."""
@@ -81,12 +76,7 @@ class RowParallelLinear(Linear):
         self.shard = shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(gemv.linear(x, self.weight))
-
-    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self._reduce(gemv.silu_mul_linear(gate_up, self.weight))
-
-    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        y = gemv.linear(x, self.weight)
         dist.all_reduce(y, group=self.shard.group)  # the group is set after the model is built
         return y if self.bias is None else y + self.bias
 
@@ -159,7 +149,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = gemv.linear(x, self.gate_up_weight, self.gate_up_bias)
-        return self.down_proj.silu_mul_forward(gate_up)
+        return self.down_proj(fused.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
