@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|gemv] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|gemv|prefill] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -267,6 +267,19 @@ if [ "$what" = gemv ]; then
     tests/engine/test_gpu.py >"$OUT/pytest-gpu-engine.log" 2>&1
   echo "engine GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-engine.log" | tail -6 | cut -c1-200
   tar czf /tmp/gemv.tgz -C "$OUT" . && find "$OUT" -mindepth 1 ! -name env.txt -delete && mv /tmp/gemv.tgz "$OUT/"
+fi
+if [ "$what" = prefill ]; then
+  # About 7 minutes: the paged prefill's page-vector loads and folded scale (templates/triton/prefill.j2) -- its GPU
+  # tests, issue 16's prefill row (bf16, int8, int4 prefixes against SDPA flash), and the bf16 config sweep.
+  par=""; python3 -c "import xdist" 2>/dev/null && par="-n 8"
+  timeout 170 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/kernels/test_prefill_matrix.py tests/kernels/test_prefill_staged.py >"$OUT/pytest-gpu-prefill.log" 2>&1
+  echo "prefill GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-prefill.log" | tail -6 | cut -c1-200
+  timeout 150 python3 -m benchmarks.run --ops prefill --schemes bf16,int8,int4 --out "$OUT/run" >"$OUT/run.log" 2>&1
+  echo "prefill bench: exit $?"; grep -E "prefill" "$OUT/run.log" | tail -6 | cut -c1-260
+  timeout 150 python3 -m benchmarks.experiments.prefill_sweep --schemes bf16 --seconds 110 >"$OUT/prefill_sweep.txt" 2>&1
+  echo "prefill sweep: exit $?"; cut -c1-160 "$OUT/prefill_sweep.txt"
+  tar czf /tmp/prefill.tgz -C "$OUT" . && find "$OUT" -mindepth 1 ! -name env.txt -delete && mv /tmp/prefill.tgz "$OUT/"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"
