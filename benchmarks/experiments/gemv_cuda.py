@@ -22,15 +22,6 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 COPIES = 8
 
 
-def cycling(ws, x, run):
-    turn = iter(range(1 << 62))
-
-    def call():
-        return run(x, ws[next(turn) % len(ws)])
-    call.cycle = len(ws)
-    return call
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/gemv_cuda.json")
@@ -38,7 +29,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from benchmarks.run import copy_bandwidth
     from kvgen.engine import gemv
-    from kvgen.runtime.kernel_timer import graph_time_ms
+    from kvgen.runtime.kernel_timer import cycling, graph_time_ms
 
     bw = copy_bandwidth()
     records = []
@@ -55,7 +46,7 @@ def main(argv=None) -> int:
             line = [f"{name:8s} N={N:6d} K={K:5d} m={m}"]
             for label, f in runs.items():
                 err = float((f(x, ws[0]).double() - ref).norm() / ref.norm())
-                ms = graph_time_ms(cycling(ws, x, f))
+                ms = graph_time_ms(cycling(ws, lambda w, f=f: f(x, w)))
                 rec[label] = {"ms": ms, "bw": rec["bytes"] / (ms * 1e-3) / bw, "rel_l2": err}
                 line.append(f"{label} {ms * 1e3:6.1f} us ({rec[label]['bw']:.2f}, {err:.1e})")
             records.append(rec)

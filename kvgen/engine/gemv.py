@@ -28,7 +28,7 @@ import ctypes
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,17 +159,6 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _cycling(pairs: Sequence[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor, run):
-    """A call that runs ``run(x, w, b)`` over the group's weights in turn (``cycle``: whole turns per graph)."""
-    turn = iter(range(1 << 62))
-
-    def call():
-        w, b = pairs[next(turn) % len(pairs)]
-        return run(x, w, b)
-    call.cycle = len(pairs)
-    return call
-
-
 def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> list[Choice]:
     """Decide, per projection group of ``model`` and row count in ``rows`` (<= MAX_ROWS), GEMV or cuBLAS.
 
@@ -188,7 +177,7 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
     if not first.is_cuda or first.dtype not in _DTYPES:
         return []
     from kvgen.runtime.cuda_loader import CudaBuildError
-    from kvgen.runtime.kernel_timer import graph_time_ms
+    from kvgen.runtime.kernel_timer import cycling, graph_time_ms
 
     try:
         _function(first.device)
@@ -206,13 +195,14 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
                 continue
             key = _key(x, w0, b0)
             _CHOICES.pop(key, None)
-            cublas_ms = graph_time_ms(_cycling(pairs, x, nn.functional.linear))
+            # every call finds its weights cold: whole turns over the group's layers
+            cublas_ms = graph_time_ms(cycling(pairs, lambda wb: nn.functional.linear(x, *wb)))
             want = nn.functional.linear(x, w0, b0)
             best, best_ms = None, None
             for config in range(len(CONFIGS)):
                 if _rel_l2(gemv(x, w0, b0, config), want) > CHECK_REL_L2:
                     continue  # a broken build or config: never used
-                ms = graph_time_ms(_cycling(pairs, x, lambda x, w, b, c=config: gemv(x, w, b, c)))
+                ms = graph_time_ms(cycling(pairs, lambda wb, c=config: gemv(x, *wb, c)))
                 if best_ms is None or ms < best_ms:
                     best, best_ms = config, ms
             use = best if best_ms is not None and best_ms < cublas_ms else None
