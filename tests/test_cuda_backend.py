@@ -470,6 +470,19 @@ def test_gpu_cuda_decode_biased_key_operands_cancel(scheme):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["bf16", "fp16", "int8", "fp8", "int4", "int2"])
+def test_gpu_cuda_decode_peaked_attention_with_large_q(scheme):
+    """q x 4 (fp16) and x 2.5 (bf16): scores several log2 units apart, a row max that keeps rising over 4K tokens
+    in one split, and for KIVI large products of q and the key scales in the folded score operands (decode.cu.j2,
+    key scale fold)."""
+    for q_scale, dtype in ((4.0, "float16"), (2.5, "bfloat16")):
+        if {"bf16": "bfloat16", "fp16": "float16"}.get(scheme, dtype) != dtype:
+            continue  # 16-bit pages compute in their own dtype
+        _gpu_decode(scheme, 128, 8, 16, dtype, 2, [4099, 300, 17], q_scale=q_scale,
+                    config={"num_splits": 1, "num_warps": 4, "depth": 2})
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["bf16", "int8", "fp8", "int4"])
 def test_gpu_cuda_decode_diffuse_attention_over_long_rows(scheme):
     """Nearly uniform attention over 16K tokens in one split: each warp accumulates 4K tokens into an output far
