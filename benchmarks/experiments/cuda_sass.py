@@ -160,8 +160,10 @@ def analyse(scheme: str, args: argparse.Namespace, work: Path) -> list[str]:
         loop = largest_loop(instrs)
         mix = collections.Counter(opcode(t) for _, t in loop)
         mmas = mix.get("HMMA", 0)
-        # one pass = one 16-token tile: (D/16 k-steps of K q^T + D/16 row tiles of V^T P^T) MMAs per 8 heads
-        tiles = mmas / (2 * args.head_dim // 16 * -(-args.gqa // 8)) if mmas else 0
+        # one pass = one 16-token tile: (D/16 k-steps of K q^T + D/16 row tiles of V^T P^T) MMAs per 8 heads, and
+        # D/16 more where the reader folds its key scales (the page's zeros against q: decode.cu.j2, key scale fold)
+        per_tile = (3 if "K_FOLD = true" in src.read_text() else 2) * args.head_dim // 16 * -(-args.gqa // 8)
+        tiles = mmas / per_tile if mmas else 0
         per_token = f", {len(loop) / (16 * tiles):.1f} warp-instructions per token and KV head" if tiles else ""
         lines.append(f"  {scheme} <{want[0]},{want[1]}> SASS: {len(instrs)} instructions, tile loop {len(loop)}"
                      f"{per_token}: " + ", ".join(f"{k} {v}" for k, v in mix.most_common(14)))

@@ -1,0 +1,154 @@
+"""Variants of the CUDA decode kernel's source, timed head to head in one process (a GPU), each one checked.
+
+    # offline (no GPU): render the variants' .cu sources into DIR
+    python -m benchmarks.experiments.decode_variants render DIR [--schemes int4,int8] [--base REV]
+    # on the GPU: build every source in DIR, check it and time it at each shape
+    python -m benchmarks.experiments.decode_variants time DIR [--shapes 32x4096,1x16384] [--out FILE]
+
+``render`` writes, per scheme, ``<scheme>--base.cu`` (the decode kernel as git revision ``--base`` renders it,
+through that revision's own templates in a temporary worktree), ``<scheme>--tree.cu`` (the working tree's) and
+``<scheme>--tree-eager.cu`` (the working tree's with its lazy rescaling switched off: slack 0 and a rescale in
+every tile). ``time`` loads the scheme's generated CUDA decode module once and points it at each source in turn
+(``SOURCE``: the runtime's CUDA loader builds and caches each), runs it once on a NaN-poisoned output against
+the float32 reference and against the base variant's output, then times every tuning candidate of the module
+(splits x warps x depths) with the runtime's kernel timer, cold pages cycled as the runtime's own tuning does,
+and reports the best per variant and shape, as a ratio to the base variant measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HQ, HKV, D, PAGE = 64, 8, 128, 16
+# the tree's templates and built-in plugins are the packages kvgen_templates and kvgen_plugins (an editable install
+# maps them to the checkout's templates/ and plugins/): in another tree, those names must resolve to its own
+RENDER = ("import sys, templates, plugins; sys.modules['kvgen_templates'] = templates; "
+          "sys.modules['kvgen_plugins'] = plugins; "
+          "from benchmarks.experiments.cuda_sass import render; "
+          "sys.stdout.write(render(sys.argv[1], {d}, {g}, {p}))")
+
+
+def _render_at(root: Path, scheme: str) -> str:
+    """The decode .cu of ``scheme`` as the tree at ``root`` renders it (its own kvgen, templates and plugins)."""
+    env = dict(os.environ, PYTHONPATH=str(root))
+    code = RENDER.format(d=D, g=HQ // HKV, p=PAGE)
+    return subprocess.run([sys.executable, "-c", code, scheme], cwd=root, env=env, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def eager(source: str) -> str:
+    """The source with lazy rescaling switched off (slack 0, rescale every tile): the kernel before it."""
+    for old, new in (("if (__any_sync(0xffffffffu, moved))", "if (true)"),):
+        if old not in source:
+            raise SystemExit(f"the tree's source lacks {old!r}: update this experiment")
+        source = source.replace(old, new)
+    lines = [("constexpr float SLACK = 0.0f;" if ln.startswith("constexpr float SLACK") else ln)
+             for ln in source.splitlines()]
+    # the residual form of SLACK spans two lines: drop its continuation
+    out = [ln for i, ln in enumerate(lines) if not (i and lines[i - 1] == "constexpr float SLACK = 0.0f;"
+                                                    and ln.lstrip().startswith(": "))]
+    return "\n".join(out) + "\n"
+
+
+def render(out_dir: Path, schemes: list[str], base: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        wt = Path(tmp) / "base"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(wt), base], check=True,
+                       capture_output=True)
+        try:
+            for s in schemes:
+                tree = _render_at(REPO, s)
+                (out_dir / f"{s}--base.cu").write_text(_render_at(wt, s))
+                (out_dir / f"{s}--tree.cu").write_text(tree)
+                (out_dir / f"{s}--tree-eager.cu").write_text(eager(tree))
+                print(f"{s}: 3 sources", file=sys.stderr)
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], check=True)
+
+
+def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None) -> list[dict]:
+    import torch
+
+    from benchmarks.run import DecodeCase, kernel_module, rel_l2
+    from kvgen.runtime.kernel_timer import cold_page_tables, cycling, graph_time_ms
+
+    records = []
+    by_scheme: dict[str, list[Path]] = {}
+    for f in sorted(src_dir.glob("*.cu")):
+        by_scheme.setdefault(f.name.split("--")[0], []).append(f)
+    for scheme_name, files in by_scheme.items():
+        files.sort(key=lambda f: (not f.stem.endswith("--base"), f.name))
+        mod, scheme = kernel_module("decode", scheme_name, HKV, HQ // HKV, D, backend="cuda")
+        for B, L in shapes:
+            torch.cuda.empty_cache()
+            case = DecodeCase(scheme, B, L, HQ, HKV, D)
+            ref = case.reference()
+            sm = 1 / math.sqrt(D)
+            pools, tables = cold_page_tables(case.pools, B, case.block_tables.shape[1], int(case.num_compressed[0]))
+            out_t = torch.empty_like(case.q)
+            base_out, base_ms = None, None
+            for f in files:
+                mod.SOURCE = f
+                variant = f.stem.split("--", 1)[1]
+                check = torch.full_like(case.q, float("nan"))
+                mod.launch(case.q, check, case.pools, case.block_tables, case.seq_lens, case.num_compressed, sm,
+                           mod.default_config(B, L, case.q.device))
+                torch.cuda.synchronize()
+                err = rel_l2(check.float(), ref)
+                vs_base = 0.0 if base_out is None else rel_l2(check.float(), base_out.float())
+                if base_out is None:
+                    base_out = check
+                times = []
+                for cfg in mod.candidates(B, L):
+                    run = cycling(tables, lambda bt, cfg=cfg: mod.launch(case.q, out_t, pools, bt, case.seq_lens,
+                                                                        case.num_compressed, sm, cfg))
+                    times.append((graph_time_ms(run), cfg))
+                ms, cfg = min(times, key=lambda t: t[0])
+                if base_ms is None:
+                    base_ms = ms
+                rec = {"scheme": scheme_name, "variant": variant, "B": B, "L": L, "ms": ms, "config": cfg,
+                       "vs_base": ms / base_ms, "rel_l2": err, "rel_l2_vs_base": vs_base,
+                       "candidates": [[t, c] for t, c in times]}
+                records.append(rec)
+                print(f"{scheme_name:5s} B={B:3d} L={L:6d} {variant:12s} {ms * 1e3:8.1f} us  x{ms / base_ms:.3f}  "
+                      f"err {err:.4f}  vs base {vs_base:.2e}  {cfg}", flush=True)
+            del case, pools, tables
+    if out is not None:
+        import torch
+        import triton
+        out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                   "triton": triton.__version__, "records": records}, indent=1))
+    return records
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("render")
+    r.add_argument("dir", type=Path)
+    r.add_argument("--schemes", default="bf16,fp8,int8,int4,int2")
+    r.add_argument("--base", default="HEAD")
+    t = sub.add_parser("time")
+    t.add_argument("dir", type=Path)
+    t.add_argument("--shapes", default="32x4096,1x16384")
+    t.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    if a.cmd == "render":
+        render(a.dir, a.schemes.split(","), a.base)
+    else:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+        time_variants(a.dir, shapes, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
