@@ -6,13 +6,15 @@
     python -m benchmarks.experiments.decode_variants time DIR [--shapes 32x4096,1x16384] [--out FILE]
 
 ``render`` writes, per scheme, ``<scheme>--base.cu`` (the decode kernel as git revision ``--base`` renders it,
-through that revision's own templates in a temporary worktree), ``<scheme>--tree.cu`` (the working tree's) and
-``<scheme>--tree-eager.cu`` (the working tree's with its lazy rescaling switched off: slack 0 and a rescale in
-every tile). ``time`` loads the scheme's generated CUDA decode module once and points it at each source in turn
-(``SOURCE``: the runtime's CUDA loader builds and caches each), runs it once on a NaN-poisoned output against
-the float32 reference and against the base variant's output, then times every tuning candidate of the module
-(splits x warps x depths) with the runtime's kernel timer, cold pages cycled as the runtime's own tuning does,
-and reports the best per variant and shape, as a ratio to the base variant measured in the same process.
+through that revision's own templates, unpacked with ``git archive`` into a temporary folder) and
+``<scheme>--tree.cu`` (the working tree's). Other variants can be added by hand as ``<scheme>--<name>.cu`` (e.g. the
+tree rendered with an edited template). ``time`` loads the scheme's generated CUDA decode module once and points it
+at each source in turn (``SOURCE``: the runtime's CUDA loader builds and caches each), runs it once on a
+NaN-poisoned output against the float32 reference and against the base variant's output, and fails if the output
+is not finite or differs from the base's by more than ``--max-vs-base`` (relative L2). It then times every tuning
+candidate of the module (splits x warps x depths) with the runtime's kernel timer, cold pages cycled as the
+runtime's own tuning does, and reports the best per variant and shape, as a ratio to the base variant measured in
+the same process.
 """
 
 from __future__ import annotations
@@ -44,38 +46,20 @@ def _render_at(root: Path, scheme: str) -> str:
                           capture_output=True, text=True).stdout
 
 
-def eager(source: str) -> str:
-    """The source with lazy rescaling switched off (slack 0, rescale every tile): the kernel before it."""
-    for old, new in (("if (__any_sync(0xffffffffu, moved))", "if (true)"),):
-        if old not in source:
-            raise SystemExit(f"the tree's source lacks {old!r}: update this experiment")
-        source = source.replace(old, new)
-    lines = [("constexpr float SLACK = 0.0f;" if ln.startswith("constexpr float SLACK") else ln)
-             for ln in source.splitlines()]
-    # the residual form of SLACK spans two lines: drop its continuation
-    out = [ln for i, ln in enumerate(lines) if not (i and lines[i - 1] == "constexpr float SLACK = 0.0f;"
-                                                    and ln.lstrip().startswith(": "))]
-    return "\n".join(out) + "\n"
-
-
 def render(out_dir: Path, schemes: list[str], base: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        wt = Path(tmp) / "base"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(wt), base], check=True,
-                       capture_output=True)
-        try:
-            for s in schemes:
-                tree = _render_at(REPO, s)
-                (out_dir / f"{s}--base.cu").write_text(_render_at(wt, s))
-                (out_dir / f"{s}--tree.cu").write_text(tree)
-                (out_dir / f"{s}--tree-eager.cu").write_text(eager(tree))
-                print(f"{s}: 3 sources", file=sys.stderr)
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], check=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", base], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        for s in schemes:
+            (out_dir / f"{s}--base.cu").write_text(_render_at(Path(tmp), s))
+            (out_dir / f"{s}--tree.cu").write_text(_render_at(REPO, s))
+            print(f"{s}: 2 sources", file=sys.stderr)
 
 
-def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None) -> list[dict]:
+def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None,
+                  max_vs_base: float = 1e-2) -> list[dict]:
     import torch
 
     from benchmarks.run import DecodeCase, kernel_module, rel_l2
@@ -105,6 +89,9 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
                 torch.cuda.synchronize()
                 err = rel_l2(check.float(), ref)
                 vs_base = 0.0 if base_out is None else rel_l2(check.float(), base_out.float())
+                if not bool(torch.isfinite(check).all()) or vs_base > max_vs_base:
+                    raise SystemExit(f"{f.name} at B={B} L={L}: output not finite or {vs_base:.3g} from the base's "
+                                     f"(relative L2, limit {max_vs_base})")
                 if base_out is None:
                     base_out = check
                 times = []
@@ -141,12 +128,13 @@ def main(argv=None) -> int:
     t.add_argument("dir", type=Path)
     t.add_argument("--shapes", default="32x4096,1x16384")
     t.add_argument("--out", type=Path)
+    t.add_argument("--max-vs-base", type=float, default=1e-2)
     a = ap.parse_args(argv)
     if a.cmd == "render":
         render(a.dir, a.schemes.split(","), a.base)
     else:
         shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
-        time_variants(a.dir, shapes, a.out)
+        time_variants(a.dir, shapes, a.out, a.max_vs_base)
     return 0
 
 
