@@ -56,15 +56,16 @@ def compile_one(scheme, d=128, g=8, page=16, dtype="bfloat16", ppt=4, warps=4, s
 
 
 def sass_of(k):
-    """(SASS text, registers, local-memory bytes (spills)) from the cubin."""
+    """(SASS text, registers, spill bytes) from the cubin: cuobjdump reports a kernel's spills as its STACK frame
+    (LOCAL is other local memory), so both count."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     ob = os.path.join(BIN, "cuobjdump")
     out = subprocess.run([ob, "-sass", f.name], capture_output=True, text=True).stdout
     res = subprocess.run([ob, "-res-usage", f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
-    m = re.search(r"_decode_kernel.*?REG:(\d+).*?LOCAL:(\d+)", res, re.S)
-    return out, int(m.group(1)), int(m.group(2))
+    m = re.search(r"_decode_kernel.*?REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", res, re.S)
+    return out, int(m.group(1)), int(m.group(2)) + int(m.group(3))
 
 
 def loop_stats(sass):
