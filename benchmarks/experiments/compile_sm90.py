@@ -28,43 +28,52 @@ def compile_one(scheme, d=128, g=8, page=16, dtype="bfloat16", ppt=4, warps=4, s
     mod = load_kernel(spec, s, r)
     cd = getattr(torch, dtype)
     fn = mod._decode_kernel
-    names = fn.arg_names
     tensors = {t.name: t.torch_dtype(cd) for t in s.page_tensors(d, page)}
-    sig, consts = {}, {"DIRECT": bool(direct), "PAGES_PER_TILE": ppt, "BLOCK_N": ppt * page}
-    for n in names:
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n in ("q_ptr", "out_ptr", "rk_ptr", "rv_ptr"):
-            sig[n] = TT[cd]
-        elif n in ("part_out_ptr", "part_lse_ptr"):
-            sig[n] = "*fp32"
-        elif n.endswith("_ptr") and n[:-4] in tensors:
-            sig[n] = TT[tensors[n[:-4]]]
-        elif n.endswith("_ptr"):
-            sig[n] = "*i32"
-        elif n == "qk_scale":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-    # what the JIT specializes at launch: 16-byte aligned pointers, strides divisible by 16
+    consts = {"DIRECT": bool(direct), "PAGES_PER_TILE": ppt, "BLOCK_N": ppt * page}
+    pointers = {"q_ptr": TT[cd], "out_ptr": TT[cd], "rk_ptr": TT[cd], "rv_ptr": TT[cd], "part_out_ptr": "*fp32",
+                "part_lse_ptr": "*fp32", **{f"{n}_ptr": TT[t] for n, t in tensors.items()}}
+    sig = signature(fn.arg_names, consts, pointers, floats=("qk_scale",))
     # (B=32, L=4096, Hq=64, D=128: q/out strides 8192/128, block-table stride 256)
+    return compile_for_sm90(fn, sig, consts, warps, stages)
+
+
+def signature(names, consts, pointers, floats):
+    """A ``sig`` for :func:`compile_for_sm90`: "constexpr" for the keys of ``consts``, ``pointers[name]`` for the
+    pointers it names (other ``*_ptr`` arguments: *i32), fp32 for ``floats``, i32 for the rest."""
+    def kind(n):
+        if n in consts:
+            return "constexpr"
+        if n.endswith("_ptr"):
+            return pointers.get(n, "*i32")
+        return "fp32" if n in floats else "i32"
+    return {n: kind(n) for n in names}
+
+
+def compile_for_sm90(fn, sig, consts, num_warps, num_stages, not_divisible=()):
+    """``triton.compile`` of the jitted ``fn`` for sm_90 with signature ``sig`` (argument -> type, "constexpr" for
+    the keys of ``consts``), specialized as the JIT does at launch: pointers 16-byte aligned and ``stride_*``
+    arguments divisible by 16, except those in ``not_divisible`` (do_not_specialize). Without those hints no load
+    is vectorized, and register and instruction counts are wrong (NOTES.md)."""
+    names = fn.arg_names
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if sig[n].startswith("*") or n.startswith("stride_")}
+             if sig[n].startswith("*") or (n.startswith("stride_") and n not in not_divisible)}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": warps, "num_stages": stages})
-    return k
+    return triton.compile(src, target=GPUTarget("cuda", 90, 64),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def sass_of(k):
-    """(SASS text, registers, spill bytes) from the cubin: cuobjdump reports a kernel's spills as its STACK frame
-    (LOCAL is other local memory), so both count."""
+    """(SASS text, registers, spill bytes) of a compiled Triton kernel (one function in its cubin): cuobjdump
+    reports its spills as the STACK frame (LOCAL is other local memory), so both count."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     ob = os.path.join(BIN, "cuobjdump")
-    out = subprocess.run([ob, "-sass", f.name], capture_output=True, text=True).stdout
-    res = subprocess.run([ob, "-res-usage", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    m = re.search(r"_decode_kernel.*?REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", res, re.S)
+    try:
+        out = subprocess.run([ob, "-sass", f.name], capture_output=True, text=True).stdout
+        res = subprocess.run([ob, "-res-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", res, re.S)
     return out, int(m.group(1)), int(m.group(2)) + int(m.group(3))
 
 

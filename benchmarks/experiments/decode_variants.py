@@ -110,9 +110,11 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
                       f"err {err:.4f}  vs base {vs_base:.2e}  {cfg}", flush=True)
             del case, pools, tables
     if out is not None:
-        import torch
+        import datetime
+
         import triton
-        out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        out.write_text(json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                                   "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                    "triton": triton.__version__, "records": records}, indent=1))
     return records
 

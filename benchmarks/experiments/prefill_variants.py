@@ -690,58 +690,31 @@ def bench_gpu(args):
 # ----------------------------------------------------------------------------------------------------------
 
 def compile_sm90(flags, cfg, D=D_FULL, G=HQ_FULL // HKV_FULL, H=HKV_FULL):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from benchmarks.experiments.compile_sm90 import compile_for_sm90, signature
 
     fn = prefill_variant_kernel
-    names = fn.arg_names
     GP = triton.next_power_of_2(G)
     consts = {"H": H, "G": G, "GP": GP, "HEAD_DIM": D, "BLOCK_D": max(16, triton.next_power_of_2(D)),
               "PAGE_SIZE": PAGE, "BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["kv"], "RT": flags["rt"],
               "FOLD": flags["fold"], "PVEC": flags["pvec"], "ACCDOT": flags["accdot"], "PIPE": flags["pipe"],
               "EXP16": flags["exp16"], "EXP_ASM": flags["exp16"], "WS": flags["ws"],
               "UNROLL": 2 if flags["unroll2"] else 1}
-    sig = {}
-    for n in names:
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n in ("q_ptr", "out_ptr", "k_ptr", "v_ptr"):
-            sig[n] = "*bf16"
-        elif n.endswith("_ptr"):
-            sig[n] = "*i32"
-        elif n == "sm_scale":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-    # What the JIT specializes at launch: 16-byte aligned pointers, strides divisible by 16 (q/out strides
-    # 8192 and 128 at 64 heads x D=128); stride_bt is do_not_specialize.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if sig[n].startswith("*") or (n.startswith("stride_") and n != "stride_bt")}
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 64),
-                          options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    sig = signature(fn.arg_names, consts, {n: "*bf16" for n in ("q_ptr", "out_ptr", "k_ptr", "v_ptr")},
+                    floats=("sm_scale",))
+    # q/out strides 8192 and 128 at 64 heads x D=128; stride_bt is do_not_specialize
+    return compile_for_sm90(fn, sig, consts, cfg["num_warps"], cfg["num_stages"], not_divisible=("stride_bt",))
 
 
 def sass_stats(k):
     import re
-    import subprocess
-    import tempfile
 
-    ob = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    try:
-        sass = subprocess.run([ob, "-sass", f.name], capture_output=True, text=True).stdout
-        res = subprocess.run([ob, "-res-usage", f.name], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
-    # Spills show as STACK (the local frame) and STL/LDL instructions; LOCAL stays 0 with this cuobjdump.
-    m = re.search(r"REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", res, re.S)
-    regs, stack, local = (int(x) for x in m.groups()) if m else (-1, -1, -1)
+    from benchmarks.experiments.compile_sm90 import sass_of
+
+    sass, regs, spills = sass_of(k)
     ops = [l.split(";")[0].split("*/")[-1].strip() for l in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", l)]
     ops = [re.sub(r"^@!?U?P\w+\s+", "", o).split(" ")[0] for o in ops if o]
     count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
-    return {"regs": regs, "stack": stack + local, "STL": count("STL"), "LDL": count("LDL"),
+    return {"regs": regs, "stack": spills, "STL": count("STL"), "LDL": count("LDL"),
             "smem": int(k.metadata.shared), "sass": len(ops), "HGMMA": count("HGMMA"), "MUFU.EX2": count("MUFU.EX2"),
             "LDGSTS": count("LDGSTS"), "LDG": count("LDG"), "F2FP": count("F2FP")}
 
