@@ -35,14 +35,11 @@ Numerics (the same for every scheme; see ``tests/kernels/test_numerics.py``):
   ``(code - C) * scale + (zero + C * scale)``, whose every intermediate then
   stays finite for any channel range (``code * scale + zero`` overflowed
   once a range passed 65504). The cap only binds for groups reaching the
-  limit. **Known exception, the CUDA decode kernel** (``--backend cuda``
-  or ``auto``; plugins/macros/cuda/kivi.j2): it folds the key scales into
-  q and rounds ``q * sm_scale * log2(e) * 2**-4 * k_scale`` to float16, so
-  a query element whose product passes 2**20 gives NaN scores (against
-  the capped scales, ``|q| * sm_scale`` past about 89 for int4 and 22 for
-  int2), and elements with ``|q| * sm_scale`` below about 7e-4 lose
-  precision to float16 subnormals. Triton's decode and prefill are
-  unaffected.
+  limit. The CUDA decode kernel (plugins/macros/cuda/kivi.j2) folds the
+  key scales into q instead and rounds ``q' * k_scale`` to float16, with
+  q' = q * sm_scale * log2(e) times a power of two per warp that brings
+  its largest element to at most ``C``: by the cap, every product stays
+  within 65504.
 - Non-finite K/V propagate: a NaN or an Inf stores its group's scale as NaN
   (the key channel of its page, or its token's value group), so it reads
   back as NaN and every query attending that page (keys) or token (values)
