@@ -40,6 +40,9 @@ DEPTHS = (2, 3, 4)
 """Shared-memory stages per warp (tiles in flight: one fewer) the decode library is built for; pages of 16-bit
 elements are built for 2 only (see :func:`depths_for`)."""
 ABI_VERSION = 2
+# The most split-K splits a CUDA decode launch takes: the Python module caps its configs here, the C entry refuses
+# more, and the reduce kernel keeps one weight per split in shared memory.
+MAX_SPLITS = 128
 """The version of kvgen_decode's parameter list: rendered into the library and into the module that checks it."""
 MIN_ARCH = 80
 """mma.sync with bf16 operands needs sm_80+."""
@@ -97,7 +100,8 @@ def render(spec: KernelSpec, scheme: Scheme, L: LayoutContext, R: LayoutContext,
     if reason:
         raise ValueError(f"{spec.name} cannot use the CUDA backend: {reason}")
     ctx = dict(spec=spec, L=L, R=R, residual=scheme.residual_tokens is not None, scheme=scheme,
-               cuda_macros=macro_template(scheme), warps=WARPS, depths=depths_for(L), abi_version=ABI_VERSION)
+               cuda_macros=macro_template(scheme), warps=WARPS, depths=depths_for(L), abi_version=ABI_VERSION,
+               max_splits=MAX_SPLITS)
     cu = env.get_template(f"cuda/{spec.op}.cu.j2").render(**ctx)
     py = env.get_template(f"cuda/{spec.op}.py.j2").render(**ctx)
     return {".py": py_header + py, ".cu": cu_header(spec, template_hash) + cu}
