@@ -152,8 +152,12 @@ def _quantize(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, tor
     scale = torch.minimum(((mx - mn) / levels).to(torch.float16), half_toward_zero(cap))
     s, z = scale.float(), zero.float()
     ok = s > 0
-    # floor(y + 0.5) rather than torch.round: the kernels round half up too, and codes must match.
-    code = torch.floor((x - z) / torch.where(ok, s, torch.ones_like(s)) + 0.5).clamp_(0, levels)
+    # floor(y + 0.5) rather than torch.round: the kernels round half up too, and codes must match. The kernels
+    # multiply by the group's reciprocal (one correctly rounded division a group) and add the 0.5 in the same
+    # fma: (x - z) * r is exact in float64 (24 + 24 bits) and so is adding 0.5 wherever the floor can depend on
+    # it (|(x - z) * r| >= 1/4 there), so one rounding to float32 after it is the fma's.
+    r = 1.0 / torch.where(ok, s, torch.ones_like(s))
+    code = torch.floor(((x - z).double() * r.double() + 0.5).float()).clamp_(0, levels)
     code = torch.where(ok, code, torch.zeros_like(code))
     return code.to(torch.uint8), scale + bad.to(torch.float16), zero
 
