@@ -14,10 +14,7 @@ compute dtype) convert a page each time one fills, i.e. in most decode
 steps of a large batch; for them each bucket gets a second graph that runs
 page_quantize after each layer's write, over ``b`` static (src, dst) pairs:
 the step's conversions, padded with src -1, which the kernel skips (a
-step converting one page pays for one, not ``b``). A package whose
-page_quantize predates the skip (no ``SKIPS_NEGATIVE_PAGES``) gets copies
-of the step's first pair instead: converting a page twice writes the same
-bytes. A step replays when it is a
+step converting one page pays for one, not ``b``). A step replays when it is a
 pure decode step in a single phase without copy-on-write copies (the first
 step after a fork has them) and without cold pages (a host tier's pages
 staged inside the layer loop); anything else runs eagerly through the
@@ -68,7 +65,6 @@ class DecodeGraphs:
         self.conv_src = torch.zeros(n, dtype=torch.int32, device=dev)
         self.conv_dst = torch.zeros(n, dtype=torch.int32, device=dev)
         self.residual = getattr(cache, "residual_tokens", None) is not None
-        self.pad_skips = getattr(cache.kernels.get("page_quantize"), "SKIPS_NEGATIVE_PAGES", False)
         # the decode kernel's split arrival counters, owned here: every graph keeps their address
         make_counters = getattr(cache.kernels["decode"], "split_counters", None)
         self.counters = make_counters(n, dev) if make_counters is not None else None
@@ -158,11 +154,8 @@ class DecodeGraphs:
             src, dst = step.phases[0].conversions
             self.conv_src[:M].copy_(src)
             self.conv_dst[:M].copy_(dst)
-            if b > M and self.pad_skips:
+            if b > M:
                 self.conv_src[M:b].fill_(-1)
-            elif b > M:
-                self.conv_src[M:b].copy_(src[:1].expand(b - M))
-                self.conv_dst[M:b].copy_(dst[:1].expand(b - M))
         key = (b, M > 0)
         if not self.capture:
             return self.model(self.ids[:b], self.pos[:b], self._attend(*key))[:B]
