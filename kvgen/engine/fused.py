@@ -27,6 +27,8 @@ import torch
 
 from kvgen.runtime.env import triton_interpret as _interpreting  # the one reading of TRITON_INTERPRET
 
+from . import pdl
+
 _TORCH_ONLY = "KVGEN_FUSED_TORCH"
 """Environment switch: ``1`` runs the plain-torch versions everywhere (debugging, comparisons)."""
 
@@ -56,6 +58,11 @@ def _impl(x: torch.Tensor):
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run for tensors like ``x`` (see the module docstring for the rule)."""
     return _impl(x) is not None
+
+
+def _pdl(x: torch.Tensor) -> dict:
+    """A launch's PDL arguments (:mod:`.pdl`): the kernel's PDL constexpr and Triton's ``launch_pdl``, or none."""
+    return {"PDL": True, "launch_pdl": True} if pdl.enabled(x) else {}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -111,7 +118,7 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     kernels.qkv_rope_kernel[(_cdiv(n_rows, block),)](
         qkv, buf, positions, cos, sin, q_norm if norm else cos, k_norm if norm else cos,
         n_rows, T, qkv.stride(0), float(eps),
-        HQ=Hq, HKV=Hkv, HALF=half, HALF_PAD=half_pad, BLOCK_R=block, QK_NORM=norm, num_warps=4)
+        HQ=Hq, HKV=Hkv, HALF=half, HALF_PAD=half_pad, BLOCK_R=block, QK_NORM=norm, num_warps=4, **_pdl(qkv))
     return q, k, v
 
 
@@ -174,7 +181,8 @@ def _launch_norm(kernels, x: torch.Tensor, res: torch.Tensor | None, out: torch.
     warps = 4 if block_n <= 2048 else (8 if block_n <= 8192 else 16)
     kernels.add_rms_norm_kernel[(_cdiv(T, block_t),)](
         x, x if res is None else res, out, w, T, N, x.stride(0), 0 if res is None else res.stride(0),
-        out.stride(0), float(eps), HAS_RES=res is not None, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=warps)
+        out.stride(0), float(eps), HAS_RES=res is not None, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=warps,
+        **_pdl(x))
 
 
 # ---------------------------------------------------------------------------------------------- SiLU * up
@@ -191,5 +199,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block_i = min(1024, _pow2(inter))
     block_t = _rows_per_program(kernels, T, block_i, 1)
     kernels.silu_mul_kernel[(_cdiv(T, block_t), _cdiv(inter, block_i))](
-        gate_up, out, T, inter, gate_up.stride(0), out.stride(0), BLOCK_T=block_t, BLOCK_I=block_i, num_warps=4)
+        gate_up, out, T, inter, gate_up.stride(0), out.stride(0), BLOCK_T=block_t, BLOCK_I=block_i, num_warps=4,
+        **_pdl(gate_up))
     return out

@@ -24,11 +24,20 @@ INTERPRET = triton_interpret()
 """Whether these kernels were decorated for the CPU interpreter (fixed at import)."""
 
 
+@triton.jit
+def _pdl_entry(PDL: tl.constexpr):
+    """A kernel launched with PDL (:mod:`kvgen.engine.pdl`): let the next kernel's blocks start, then wait for the
+    previous kernel's completion and writes. Every kernel here reads step data from its first load on."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
 @triton.jit(do_not_specialize=["n_rows", "n_tokens"])
 def qkv_rope_kernel(qkv_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                     n_rows, n_tokens, stride_t, eps,
                     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                    BLOCK_R: tl.constexpr, QK_NORM: tl.constexpr):
+                    BLOCK_R: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr = False):
     """Split a fused q|k|v GEMM output into contiguous q, k, v; RMSNorm (optional) and RoPE on q and k.
 
     Rows are (token, head) pairs of the fused output ``[T, (HQ+2*HKV)*D]``
@@ -36,6 +45,7 @@ def qkv_rope_kernel(qkv_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
     ``out`` is one flat buffer holding q ``[T, HQ, D]``, then k and v
     ``[T, HKV, D]``. ``cos``/``sin`` are float32 ``[positions, D/2]``.
     """
+    _pdl_entry(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, HALF_PAD)
     rmask = rows < n_rows
@@ -82,11 +92,12 @@ def qkv_rope_kernel(qkv_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
 
 @triton.jit(do_not_specialize=["n_rows"])
 def add_rms_norm_kernel(x_ptr, res_ptr, out_ptr, w_ptr, n_rows, N, stride_x, stride_r, stride_o, eps,
-                        HAS_RES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+                        HAS_RES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     """``res += x`` (when HAS_RES, then normalize res) and ``out = w * rmsnorm(x or res)``, rows of N.
 
     ``out`` may be ``x`` itself: each program reads its rows before writing them.
     """
+    _pdl_entry(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
@@ -106,8 +117,9 @@ def add_rms_norm_kernel(x_ptr, res_ptr, out_ptr, w_ptr, n_rows, N, stride_x, str
 
 @triton.jit(do_not_specialize=["n_rows"])
 def silu_mul_kernel(gu_ptr, out_ptr, n_rows, inter, stride_gu, stride_o,
-                    BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, PDL: tl.constexpr = False):
     """``out = silu(gate) * up`` where ``gu`` rows are ``[gate (inter) | up (inter)]``."""
+    _pdl_entry(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < n_rows)[:, None] & (cols < inter)[None, :]

@@ -46,6 +46,19 @@ __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
 
+// Programmatic dependent launch (kvgen/engine/pdl.py): let the next kernel's blocks start; wait for the previous
+// kernel's completion and writes. Both are no-ops in a launch without the attribute (and before Hopper).
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // A weight vector, read once: not kept in L1.
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   uint4 v;
@@ -55,11 +68,20 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return v;
 }
 
+// A vector of x: an ordinary (coherent) load, not the read-only path: under PDL the kernel that writes x may still
+// run while this one starts, and the non-coherent path is only for data no kernel writes during this one's lifetime.
+__device__ __forceinline__ uint4 load_coherent(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p)
+               : "memory");
+  return v;
+}
+
 // One chunk of the k loop: UNROLL vectors per lane from each of the warp's ROWS weight rows and each of the m
 // rows of x (lane's vector idx0 + 32 u), all loaded before the first use, then multiplied into acc. CHECKED: the
 // chunk may run past k (the tail); those vectors read as zeros and add nothing. (nvcc writes every load first in
 // PTX; ptxas then interleaves them with the FMAs, two vectors per lane in flight: measured, 2026-12-03.)
-template <typename T, int M_MAX, int ROWS, int UNROLL, bool CHECKED>
+template <typename T, int M_MAX, int ROWS, int UNROLL, bool CHECKED, bool FIRST = false>
 __device__ __forceinline__ void chunk(float (&acc)[M_MAX][ROWS], const uint4* const (&wv)[ROWS], const T* x, int m,
                                       long long x_stride, int idx0, int k8) {
   uint4 wreg[ROWS][UNROLL], xreg[M_MAX][UNROLL];
@@ -70,9 +92,17 @@ __device__ __forceinline__ void chunk(float (&acc)[M_MAX][ROWS], const uint4* co
     const bool in = !CHECKED || idx < k8;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) wreg[r][u] = in ? load_stream(wv[r] + idx) : make_uint4(0, 0, 0, 0);
+  }
+  // the first chunk's weights are in flight before the wait for the kernel before (PDL): x is that kernel's output
+  if constexpr (FIRST) pdl_wait();
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    const int idx = idx0 + u * 32;
+    const bool in = !CHECKED || idx < k8;
 #pragma unroll
     for (int i = 0; i < M_MAX; ++i)
-      xreg[i][u] = in && i < m ? __ldg(reinterpret_cast<const uint4*>(x + i * x_stride) + idx) : make_uint4(0, 0, 0, 0);
+      xreg[i][u] = in && i < m ? load_coherent(reinterpret_cast<const uint4*>(x + i * x_stride) + idx)
+                               : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
@@ -97,9 +127,10 @@ template <typename T, int M_MAX, int ROWS, int UNROLL>
 __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const T* __restrict__ x, const T* __restrict__ w,
                                                           const T* __restrict__ bias, T* __restrict__ out, int m,
                                                           int n, int k, long long x_stride, long long out_stride) {
+  pdl_trigger();
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
-  if (row0 >= n) return;
+  if (row0 >= n) return;  // (no wait: this warp reads and writes nothing)
   const int k8 = k >> 3;
   const uint4* wv[ROWS];
 #pragma unroll
@@ -114,11 +145,17 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const T* __restrict__ 
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[i][r] = 0.f;
 
-  // Whole chunks without bounds checks (their loads are free to issue together), then a checked tail.
+  // Whole chunks without bounds checks (their loads are free to issue together), then a checked tail; the
+  // first chunk, whichever it is, waits for the kernel before (PDL) between its weights and its x.
   int base = 0;
-  for (; base + 32 * UNROLL <= k8; base += 32 * UNROLL)
-    chunk<T, M_MAX, ROWS, UNROLL, false>(acc, wv, x, m, x_stride, base + lane, k8);
-  if (base < k8) chunk<T, M_MAX, ROWS, UNROLL, true>(acc, wv, x, m, x_stride, base + lane, k8);
+  if (32 * UNROLL <= k8) {
+    chunk<T, M_MAX, ROWS, UNROLL, false, true>(acc, wv, x, m, x_stride, lane, k8);
+    for (base = 32 * UNROLL; base + 32 * UNROLL <= k8; base += 32 * UNROLL)
+      chunk<T, M_MAX, ROWS, UNROLL, false>(acc, wv, x, m, x_stride, base + lane, k8);
+    if (base < k8) chunk<T, M_MAX, ROWS, UNROLL, true>(acc, wv, x, m, x_stride, base + lane, k8);
+  } else {
+    chunk<T, M_MAX, ROWS, UNROLL, true, true>(acc, wv, x, m, x_stride, lane, k8);
+  }
 #pragma unroll
   for (int i = 0; i < M_MAX; ++i) {
     if (i >= m) break;
@@ -147,33 +184,40 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const T* __restrict__ 
 
 template <typename T, int M_MAX, int ROWS, int UNROLL>
 int launch(const void* x, const void* w, const void* bias, void* out, int m, int n, int k, long long xs,
-           long long os, cudaStream_t stream) {
-  const int blocks = (n + WARPS * ROWS - 1) / (WARPS * ROWS);
-  gemv_kernel<T, M_MAX, ROWS, UNROLL><<<blocks, WARPS * 32, 0, stream>>>(
-      static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(bias), static_cast<T*>(out), m, n,
-      k, xs, os);
-  return (int)cudaGetLastError();
+           long long os, cudaStream_t stream, int pdl) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((n + WARPS * ROWS - 1) / (WARPS * ROWS));
+  cfg.blockDim = dim3(WARPS * 32);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&cfg, gemv_kernel<T, M_MAX, ROWS, UNROLL>, static_cast<const T*>(x),
+                                 static_cast<const T*>(w), static_cast<const T*>(bias), static_cast<T*>(out), m, n,
+                                 k, xs, os);
 }
 
 // The configs: (rows per warp, vectors per lane in flight). The Python side names them by index.
 template <typename T, int M_MAX>
 int launch_config(int config, const void* x, const void* w, const void* bias, void* out, int m, int n, int k,
-                  long long xs, long long os, cudaStream_t stream) {
+                  long long xs, long long os, cudaStream_t stream, int pdl) {
   switch (config) {
-    case 0: return launch<T, M_MAX, 1, 8>(x, w, bias, out, m, n, k, xs, os, stream);
-    case 1: return launch<T, M_MAX, 2, 4>(x, w, bias, out, m, n, k, xs, os, stream);
-    case 2: return launch<T, M_MAX, 4, 2>(x, w, bias, out, m, n, k, xs, os, stream);
-    case 3: return launch<T, M_MAX, 1, 4>(x, w, bias, out, m, n, k, xs, os, stream);
+    case 0: return launch<T, M_MAX, 1, 8>(x, w, bias, out, m, n, k, xs, os, stream, pdl);
+    case 1: return launch<T, M_MAX, 2, 4>(x, w, bias, out, m, n, k, xs, os, stream, pdl);
+    case 2: return launch<T, M_MAX, 4, 2>(x, w, bias, out, m, n, k, xs, os, stream, pdl);
+    case 3: return launch<T, M_MAX, 1, 4>(x, w, bias, out, m, n, k, xs, os, stream, pdl);
     default: return -1;
   }
 }
 
 template <typename T>
 int launch_rows(int config, const void* x, const void* w, const void* bias, void* out, int m, int n, int k,
-                long long xs, long long os, cudaStream_t stream) {
-  if (m == 1) return launch_config<T, 1>(config, x, w, bias, out, m, n, k, xs, os, stream);
-  if (m == 2) return launch_config<T, 2>(config, x, w, bias, out, m, n, k, xs, os, stream);
-  if (m <= 4) return launch_config<T, 4>(config, x, w, bias, out, m, n, k, xs, os, stream);
+                long long xs, long long os, cudaStream_t stream, int pdl) {
+  if (m == 1) return launch_config<T, 1>(config, x, w, bias, out, m, n, k, xs, os, stream, pdl);
+  if (m == 2) return launch_config<T, 2>(config, x, w, bias, out, m, n, k, xs, os, stream, pdl);
+  if (m <= 4) return launch_config<T, 4>(config, x, w, bias, out, m, n, k, xs, os, stream, pdl);
   return -1;
 }
 
@@ -182,17 +226,18 @@ int launch_rows(int config, const void* x, const void* w, const void* bias, void
 extern "C" {
 
 // The ABI version of kvgen_gemv's parameter list (the Python wrapper checks it).
-int kvgen_abi_version(void) { return 1; }
+int kvgen_abi_version(void) { return 2; }
 
 const char* kvgen_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
 
-// out[i, :] = x[i, :] @ w^T (+ bias) for i < m on `stream`; dtype 0 = float16, 1 = bfloat16; strides in elements.
+// out[i, :] = x[i, :] @ w^T (+ bias) for i < m on `stream`; dtype 0 = float16, 1 = bfloat16; strides in elements;
+// pdl != 0: launched with programmatic stream serialization (kvgen/engine/pdl.py; Hopper and newer).
 // Returns 0, a CUDA error code, or -1 for an unknown config or m outside 1..4.
 int kvgen_gemv(const void* x, const void* w, const void* bias, void* out, int m, int n, int k, long long x_stride,
-               long long out_stride, int dtype, int config, void* stream) {
+               long long out_stride, int dtype, int config, void* stream, int pdl) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (dtype == 1) return launch_rows<__nv_bfloat16>(config, x, w, bias, out, m, n, k, x_stride, out_stride, s);
-  if (dtype == 0) return launch_rows<__half>(config, x, w, bias, out, m, n, k, x_stride, out_stride, s);
+  if (dtype == 1) return launch_rows<__nv_bfloat16>(config, x, w, bias, out, m, n, k, x_stride, out_stride, s, pdl);
+  if (dtype == 0) return launch_rows<__half>(config, x, w, bias, out, m, n, k, x_stride, out_stride, s, pdl);
   return -1;
 }
 

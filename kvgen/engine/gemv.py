@@ -35,8 +35,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import pdl
+
 SOURCE = Path(__file__).with_name("gemv.cu")
-ABI_VERSION = 1
+ABI_VERSION = 2
 MAX_ROWS = 4
 """The most rows of ``x`` the GEMV takes (the kernel is built for 1, 2 and up to 4)."""
 CONFIGS = ("1 row x 8 vectors", "2 rows x 4 vectors", "4 rows x 2 vectors", "1 row x 4 vectors")
@@ -46,7 +48,7 @@ CHECK_REL_L2 = 1e-2
 _SWITCH = "KVGEN_GEMV"
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-_ARGTYPES = [_P, _P, _P, _P, _I32, _I32, _I32, _I64, _I64, _I32, _I32, _P]
+_ARGTYPES = [_P, _P, _P, _P, _I32, _I32, _I32, _I64, _I64, _I32, _I32, _P, _I32]
 
 _CHOICES: dict[tuple, int] = {}
 """(device index, rows rounded up to 1, 2 or 4, N, K, dtype, has bias) -> the GEMV config that runs for it;
@@ -104,7 +106,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty(m, N, dtype=x.dtype, device=x.device)
     rc = _function(x.device)(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                              out.data_ptr(), m, N, K, x.stride(0), out.stride(0), _DTYPES[x.dtype], config,
-                             torch.cuda.current_stream(x.device).cuda_stream)
+                             torch.cuda.current_stream(x.device).cuda_stream, int(pdl.enabled(x)))
     if rc:
         from kvgen.runtime import cuda_loader
 

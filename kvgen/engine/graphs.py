@@ -22,7 +22,10 @@ runtime (the same model code). The decode config is fixed at capture: the
 runtime's choice for the bucket's batch at the longest context
 (``KVCache.kernel_config``). Before the first capture the buckets of up to
 :data:`.gemv.MAX_ROWS` rows time cuBLAS against kvgen's GEMV for each
-projection shape (:func:`.gemv.choose`); the graphs keep what won.
+projection shape (:func:`.gemv.choose`); the graphs keep what won. On
+Hopper every kvgen kernel of a graph (the fused elementwise kernels, the
+GEMV, the runtime's cache write, page quantize and decode) launches with
+programmatic dependent launch (:mod:`.pdl`; ``KVGEN_PDL=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import gemv
+from . import gemv, pdl
 from .model import CausalLM
 
 SMALL_BUCKETS = (1, 2, 4, 8)
@@ -118,12 +121,13 @@ class DecodeGraphs:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pools = cache.pools[layer]
-            write.launch(k.contiguous(), v.contiguous(), pools, slots)
+            on = pdl.enabled(q)  # the runtime's kernels overlap their launches with the step's others too
+            write.launch(k.contiguous(), v.contiguous(), pools, slots, pdl=on)
             if quantize is not None:
-                quantize.launch(pools, src, dst)
+                quantize.launch(pools, src, dst, pdl=on)
             out = torch.empty_like(q)
             decode.launch(q.contiguous(), out, pools, tables, lens, ncomp, cache.sm_scale, config=config,
-                          **counters)
+                          pdl=on, **counters)
             return out
 
         return attend

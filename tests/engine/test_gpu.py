@@ -134,3 +134,48 @@ def test_swap_preemption_with_graphs_equals_an_unpressured_run(kv):
     assert_same_until_a_near_tie(got, want)
     assert sched.num_swapped_out > 0 and sched.num_swapped_in > 0 and small.runner.graph_steps > 0
     assert small.runner.eager_steps > 0 and all_free(small.cache)
+
+
+def _gemv_everywhere(model, rows, verbose=False):
+    """gemv.choose's stand-in: the GEMV (config 0) for every projection and bucket it takes, untimed."""
+    from kvgen.engine import gemv
+
+    for _, pairs in gemv.weight_groups(model):
+        w0, b0 = pairs[0]
+        for m in sorted({1 << (int(r) - 1).bit_length() for r in rows if 1 <= int(r) <= gemv.MAX_ROWS}):
+            x = torch.empty(m, w0.shape[1], device=w0.device, dtype=w0.dtype)
+            if all(gemv.supports(x, w, b) for w, b in pairs):
+                gemv._CHOICES[gemv._key(x, w0, b0)] = 0
+    return []
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability 9.0+")
+@pytest.mark.parametrize("kv,backend", [("bf16", "cuda"), ("int4", "cuda"), ("int4", "triton")])
+def test_pdl_launches_give_the_tokens_of_plain_launches(kv, backend, monkeypatch):
+    """The decode graphs' PDL kernels (kvgen/engine/pdl.py: fused norm/RoPE/SiLU, the GEMV, the runtime's cache
+    write, page quantize and decode with its split reduce) overlap their predecessors; their waits must make that
+    invisible: the same engine, recaptured with ``KVGEN_PDL=0``, gives the same tokens bit for bit (same kernels
+    and configs), with the GEMV running every small-batch projection."""
+    from kvgen.engine import gemv
+    from kvgen.engine.graphs import DecodeGraphs
+
+    monkeypatch.setattr(gemv, "choose", _gemv_everywhere)
+    monkeypatch.setenv("KVGEN_PDL", "1")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1024) for _ in range(rng.randint(1, 200))] for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    eng = build_engine(config=TINY, kv=kv, dtype="bfloat16", device="cuda", max_model_len=512, max_num_seqs=4,
+                       max_tokens=4096, autotune=False, verbose=False, kernel_backend=backend)
+    assert getattr(eng.cache.kernels["decode"], "BACKEND", "triton") == backend
+    try:
+        with_pdl = run(eng, prompts, params)
+        steps = eng.runner.graph_steps
+        monkeypatch.setenv("KVGEN_PDL", "0")
+        eng.runner.graphs = DecodeGraphs(eng.runner.model, eng.cache, 4, 512, verbose=False)
+        plain = run(eng, prompts, params)
+    finally:
+        gemv.clear()
+    assert steps > 20 and eng.runner.graph_steps > 2 * steps - 5
+    assert with_pdl == plain
+    assert all_free(eng.cache)
