@@ -25,11 +25,10 @@ INTERPRET = triton_interpret()
 
 
 @triton.jit
-def _pdl_entry(PDL: tl.constexpr):
-    """A kernel launched with PDL (:mod:`kvgen.engine.pdl`): let the next kernel's blocks start, then wait for the
-    previous kernel's completion and writes. Every kernel here reads step data from its first load on."""
+def _pdl_wait(PDL: tl.constexpr):
+    """A kernel launched with PDL (:mod:`kvgen.engine.pdl`): wait for the previous kernel's completion and writes
+    (every kernel here reads step data from its first load on; the next kernel starts as this one's programs exit)."""
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
 
 
@@ -45,7 +44,7 @@ def qkv_rope_kernel(qkv_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
     ``out`` is one flat buffer holding q ``[T, HQ, D]``, then k and v
     ``[T, HKV, D]``. ``cos``/``sin`` are float32 ``[positions, D/2]``.
     """
-    _pdl_entry(PDL)
+    _pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, HALF_PAD)
     rmask = rows < n_rows
@@ -97,7 +96,7 @@ def add_rms_norm_kernel(x_ptr, res_ptr, out_ptr, w_ptr, n_rows, N, stride_x, str
 
     ``out`` may be ``x`` itself: each program reads its rows before writing them.
     """
-    _pdl_entry(PDL)
+    _pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
@@ -119,7 +118,7 @@ def add_rms_norm_kernel(x_ptr, res_ptr, out_ptr, w_ptr, n_rows, N, stride_x, str
 def silu_mul_kernel(gu_ptr, out_ptr, n_rows, inter, stride_gu, stride_o,
                     BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, PDL: tl.constexpr = False):
     """``out = silu(gate) * up`` where ``gu`` rows are ``[gate (inter) | up (inter)]``."""
-    _pdl_entry(PDL)
+    _pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < n_rows)[:, None] & (cols < inter)[None, :]

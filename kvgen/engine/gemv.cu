@@ -9,6 +9,8 @@
 // k in 16-byte vectors (8 values), UNROLL vectors per lane in flight before any arithmetic, so a resident warp
 // keeps ROWS * UNROLL * 512 bytes of loads outstanding and one wave of warps covers a 4096 x 4096 matrix. The
 // weights are read once (L1 no-allocate); x is small and stays cached. float32 accumulation, one rounding.
+// With pdl (the engine's decode graphs on Hopper) the first chunk's weights are in flight before the wait for the
+// kernel that writes x.
 //
 // Contract (checked by the caller): K % 8 == 0; x, w, bias, out 16-byte aligned (x and out rows too: the row
 // strides are multiples of 8 elements); w row-major [N, K] (unit stride in k); 1 <= m <= M_MAX.
@@ -46,8 +48,9 @@ __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
 
-// Programmatic dependent launch (kvgen/engine/pdl.py): let the next kernel's blocks start; wait for the previous
-// kernel's completion and writes. Both are no-ops in a launch without the attribute (and before Hopper).
+// Programmatic dependent launch (kvgen/engine/pdl.py): let the next kernel's blocks start (after the weight loop);
+// wait for the previous kernel's completion and writes (after the first chunk's weight loads are issued). Both are
+// no-ops in a launch without the attribute (and before Hopper).
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -127,7 +130,6 @@ template <typename T, int M_MAX, int ROWS, int UNROLL>
 __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const T* __restrict__ x, const T* __restrict__ w,
                                                           const T* __restrict__ bias, T* __restrict__ out, int m,
                                                           int n, int k, long long x_stride, long long out_stride) {
-  pdl_trigger();
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
   if (row0 >= n) return;  // (no wait: this warp reads and writes nothing)
@@ -156,6 +158,7 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const T* __restrict__ 
   } else {
     chunk<T, M_MAX, ROWS, UNROLL, true, true>(acc, wv, x, m, x_stride, lane, k8);
   }
+  pdl_trigger();  // the weights are read: the next kernel's blocks may start
 #pragma unroll
   for (int i = 0; i < M_MAX; ++i) {
     if (i >= m) break;

@@ -12,8 +12,13 @@ equivalent to plain stream order:
 
 - before the wait they read only memory no kernel of the step writes (the
   weights); the GEMV streams its first weight vectors there;
-- they signal ``griddepcontrol.launch_dependents`` at their start: the next
-  kernel's blocks may then take SMs as soon as this one's are all resident.
+- only the GEMV signals ``griddepcontrol.launch_dependents``, after its
+  weight loop; every other kernel signals implicitly as its blocks exit.
+  Signalling at every kernel's start was measured worse: a cascade of
+  kernels then launched ahead, the GEMVs among them streaming weights
+  during the attention kernel (B=1, 16K context on an H200: bf16 KV +5%
+  a step, int4 -3.5%; signalling late: -2.4% for both,
+  benchmarks/results/2026-12-03-nvidia-h200-6).
 
 A kernel without the attribute keeps its full dependency whatever the one
 before it signals, so PDL kernels mix freely with cuBLAS and torch's own.
