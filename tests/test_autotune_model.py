@@ -281,3 +281,20 @@ def test_tune_needs_a_gpu(tmp_path):
     cache = _cache(tmp_path, Autotuner("meta", directory=tmp_path))
     with pytest.raises(KvgenRuntimeError, match="CUDA GPU"):
         tune(cache, [(1, 64)])
+
+
+@pytest.mark.parametrize("scheme,sizes", [("int4", (32, 4096)), ("int4", (1, 16384)), ("int8", (32, 2048))])
+def test_tuning_times_another_warp_count(scheme, sizes):
+    """The CUDA decode offers 4 and 8 warps and three depths; the distance ranks every depth ahead of 8 warps, yet
+    8 warps wins for KIVI at one split (H200, 2026-12-03-nvidia-h200-6/splits): tuning must time it."""
+    from kvgen.codegen.loader import load_kernel
+    from kvgen.codegen.spec import KernelSpec
+    from kvgen.registry import default_registry
+
+    spec = KernelSpec(op="decode", scheme=scheme, head_dim=128, num_kv_heads=8, gqa_group=8, page_size=16,
+                      compute_dtype="bfloat16", arch="sm_90", backend="cuda")
+    mod = load_kernel(spec, default_registry().schemes[scheme])
+    ranked = ranked_candidates("decode", mod, sizes, H200_SMS)
+    assert ranked[0] == model_config("decode", mod, sizes, H200_SMS) and ranked[0]["num_warps"] == 4
+    assert {c["num_warps"] for c in ranked} == {4, 8}
+    assert len(ranked) <= MAX_CANDIDATES and all(valid_config(c, mod, sizes) for c in ranked)
