@@ -9,8 +9,8 @@
 // k in 16-byte vectors (8 values), UNROLL vectors per lane in flight before any arithmetic, so a resident warp
 // keeps ROWS * UNROLL * 512 bytes of loads outstanding and one wave of warps covers a 4096 x 4096 matrix. The
 // weights are read once (L1 no-allocate); x is small and stays cached. float32 accumulation, one rounding.
-// With pdl (the engine's decode graphs on Hopper) the first chunk's weights are in flight before the wait for the
-// kernel that writes x.
+// With pdl (every launch on Hopper unless KVGEN_PDL=0: kvgen/engine/pdl.py) the first chunk's weights are in flight
+// before the wait for the kernel that writes x.
 //
 // Contract (checked by the caller): K % 8 == 0; x, w, bias, out 16-byte aligned (x and out rows too: the row
 // strides are multiples of 8 elements); w row-major [N, K] (unit stride in k); 1 <= m <= M_MAX.
@@ -197,9 +197,11 @@ int launch(const void* x, const void* w, const void* bias, void* out, int m, int
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, gemv_kernel<T, M_MAX, ROWS, UNROLL>, static_cast<const T*>(x),
-                                 static_cast<const T*>(w), static_cast<const T*>(bias), static_cast<T*>(out), m, n,
-                                 k, xs, os);
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, gemv_kernel<T, M_MAX, ROWS, UNROLL>, static_cast<const T*>(x),
+                                             static_cast<const T*>(w), static_cast<const T*>(bias),
+                                             static_cast<T*>(out), m, n, k, xs, os);
+  cudaGetLastError();  // (clears it: a failed launch must not fail the next CUDA call of the process too)
+  return (int)err;
 }
 
 // The configs: (rows per warp, vectors per lane in flight). The Python side names them by index.

@@ -33,6 +33,8 @@ import os
 
 import torch
 
+from kvgen.runtime.env import triton_interpret
+
 _SWITCH = "KVGEN_PDL"
 
 
@@ -42,8 +44,9 @@ def _hopper_or_newer(index: int) -> bool:
 
 
 def enabled(t: torch.Tensor) -> bool:
-    """Whether a kernel over ``t`` launches with PDL: a CUDA tensor on compute capability 9.0+ and ``KVGEN_PDL``
-    unset or not ``0`` (read at each launch: a CUDA graph keeps what its capture launched)."""
-    if not t.is_cuda or os.environ.get(_SWITCH, "1") in ("", "0"):
+    """Whether a kernel over ``t`` launches with PDL: a CUDA tensor on compute capability 9.0+, no Triton
+    interpreter, and ``KVGEN_PDL`` unset or not ``0`` (read at each launch: a CUDA graph keeps what its capture
+    launched)."""
+    if not t.is_cuda or os.environ.get(_SWITCH, "1") in ("", "0") or triton_interpret():
         return False
     return _hopper_or_newer(t.device.index if t.device.index is not None else torch.cuda.current_device())

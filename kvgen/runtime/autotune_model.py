@@ -96,9 +96,10 @@ def ranked_candidates(op: str, module: ModuleType, sizes: tuple[int, ...], sms: 
             if v not in seen:
                 seen.add(v)
                 variants.append(c)
-        # one of the two compiled variants runs another warp count whenever the module offers one: the distance
-        # ranks every stage count first, and the CUDA KIVI readers at one split per (sequence, KV head) run 4-7%
-        # faster with 8 warps than with the model's 4, which tuning never timed (2026-12-03-nvidia-h200-6)
+        # one of the two compiled variants runs another warp count whenever the module offers one (Triton's too,
+        # in place of its second-nearest tile or stage count): the distance ranks every stage count first, and the
+        # CUDA KIVI readers at one split per (sequence, KV head) run 4-7% faster with 8 warps than with the
+        # model's 4, which tuning never timed (2026-12-03-nvidia-h200-6)
         other_warps = next((v for v in variants if v.get("num_warps") != first.get("num_warps")), None)
         if other_warps is not None and other_warps not in variants[:2]:
             variants = [variants[0], other_warps]

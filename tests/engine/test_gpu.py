@@ -137,7 +137,9 @@ def test_swap_preemption_with_graphs_equals_an_unpressured_run(kv):
 
 
 def _gemv_everywhere(model, rows, verbose=False):
-    """gemv.choose's stand-in: the GEMV (config 0) for every projection and bucket it takes, untimed."""
+    """gemv.choose's stand-in: the GEMV for every projection and bucket it takes, untimed. Config 3 (4 vectors a
+    lane in flight): TINY's down projection (k = 1024) then runs a whole first chunk, the others (k = 512) a
+    bounds-checked one, so both first-chunk paths of the kernel wait under PDL."""
     from kvgen.engine import gemv
 
     for _, pairs in gemv.weight_groups(model):
@@ -145,7 +147,7 @@ def _gemv_everywhere(model, rows, verbose=False):
         for m in sorted({1 << (int(r) - 1).bit_length() for r in rows if 1 <= int(r) <= gemv.MAX_ROWS}):
             x = torch.empty(m, w0.shape[1], device=w0.device, dtype=w0.dtype)
             if all(gemv.supports(x, w, b) for w, b in pairs):
-                gemv._CHOICES[gemv._key(x, w0, b0)] = 0
+                gemv._CHOICES[gemv._key(x, w0, b0)] = 3
     return []
 
 
@@ -158,12 +160,21 @@ def test_pdl_launches_give_the_tokens_of_plain_launches(kv, backend, monkeypatch
     invisible: two engines of the same random weights, one with ``KVGEN_PDL=0``, give the same tokens bit for bit
     (same kernels and configs), with the GEMV running every small-batch projection. (Two engines, not one run
     twice: a second run would hit the first's cached prefixes and compute other steps.)"""
-    from kvgen.engine import gemv
+    from kvgen.engine import gemv, pdl
 
     monkeypatch.setattr(gemv, "choose", _gemv_everywhere)
+    launches = {True: 0, False: 0}
+    real_enabled = pdl.enabled
+
+    def counted(t):
+        on = real_enabled(t)
+        launches[on] += 1
+        return on
+
+    monkeypatch.setattr(pdl, "enabled", counted)
     rng = random.Random(5)
     prompts = [[rng.randrange(1024) for _ in range(rng.randint(1, 200))] for _ in range(6)]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
     outs, graph_steps = {}, {}
     try:
         for mode in ("1", "0"):
@@ -171,8 +182,12 @@ def test_pdl_launches_give_the_tokens_of_plain_launches(kv, backend, monkeypatch
             eng = build_engine(config=TINY, kv=kv, dtype="bfloat16", device="cuda", max_model_len=512,
                                max_num_seqs=4, max_tokens=4096, autotune=False, verbose=False, kernel_backend=backend)
             assert getattr(eng.cache.kernels["decode"], "BACKEND", "triton") == backend
-            outs[mode] = run(eng, prompts, params)
+            if mode == "1":
+                launches.update({True: 0, False: 0})
+            outs[mode] = run_with_logprobs(eng, prompts, params)  # tokens and their top logprobs, bit for bit
             graph_steps[mode] = eng.runner.graph_steps
+            if mode == "1":
+                assert launches[True] > 0 and launches[False] == 0  # every kernel asked launched with PDL
             assert all_free(eng.cache)
             del eng
     finally:

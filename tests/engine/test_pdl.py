@@ -24,6 +24,9 @@ def test_the_switch_turns_pdl_off_before_looking_at_the_device(monkeypatch):
     fake = FakeCuda()
     fake.device = torch.device("cuda", 0)
     monkeypatch.setenv("KVGEN_PDL", "1")
+    monkeypatch.setattr(pdl, "triton_interpret", lambda: True)
+    assert pdl.enabled(fake) is False  # the interpreter's kernels take no launch_pdl
+    monkeypatch.setattr(pdl, "triton_interpret", lambda: False)
     assert pdl.enabled(fake) is True
     monkeypatch.setenv("KVGEN_PDL", "0")
     assert pdl.enabled(fake) is False
