@@ -9,8 +9,10 @@
 // k in 16-byte vectors (8 values), UNROLL vectors per lane in flight before any arithmetic, so a resident warp
 // keeps ROWS * UNROLL * 512 bytes of loads outstanding and one wave of warps covers a 4096 x 4096 matrix. The
 // weights are read once (L1 no-allocate); x is small and stays cached. float32 accumulation, one rounding.
-// With pdl (every launch on Hopper unless KVGEN_PDL=0: kvgen/engine/pdl.py) the first chunk's weights are in flight
-// before the wait for the kernel that writes x.
+// With pdl (every launch on Hopper unless KVGEN_PDL=0: kvgen/engine/pdl.py) the first chunk's weight loads come
+// before the wait for the kernel that writes x in the PTX; ptxas (nvcc 13, sm_90a) schedules that wait (ACQBULK)
+// ahead of them all the same (offline SASS, 2026-12-03), so what overlaps today is the launch and the previous
+// kernel's tail, not weight loads.
 //
 // Contract (checked by the caller): K % 8 == 0; x, w, bias, out 16-byte aligned (x and out rows too: the row
 // strides are multiples of 8 elements); w row-major [N, K] (unit stride in k); 1 <= m <= M_MAX.
@@ -96,7 +98,8 @@ __device__ __forceinline__ void chunk(float (&acc)[M_MAX][ROWS], const uint4* co
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) wreg[r][u] = in ? load_stream(wv[r] + idx) : make_uint4(0, 0, 0, 0);
   }
-  // the first chunk's weights are in flight before the wait for the kernel before (PDL): x is that kernel's output
+  // the first chunk's weight loads come before the wait for the kernel before (PDL; x is its output) in the PTX:
+  // ptxas is free to sink them below it, and today does (header)
   if constexpr (FIRST) pdl_wait();
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {

@@ -20,8 +20,9 @@ off (comparisons), as does a missing nvcc with no library built before.
 The library is built by the runtime's CUDA loader (nvcc, the build cache,
 atomic writes) from ``gemv.cu`` beside this file, and launched through
 ctypes on torch's current stream, so CUDA graphs capture it; on Hopper with
-programmatic dependent launch (:mod:`.pdl`), its first weights in flight
-before it waits for the kernel that wrote ``x``.
+programmatic dependent launch (:mod:`.pdl`): it waits for the kernel that
+wrote ``x`` before reading it, and lets the next kernel start after its
+weight loop.
 """
 
 from __future__ import annotations

@@ -10,8 +10,10 @@ flush before it reads anything a predecessor wrote or writes anything at
 all. kvgen's PDL kernels keep one contract, so that any chain of them is
 equivalent to plain stream order:
 
-- before the wait they read only memory no kernel of the step writes (the
-  weights); the GEMV streams its first weight vectors there;
+- before the wait they may read only memory no kernel of the step writes
+  (the weights). The GEMV's first weight loads precede its wait in the
+  PTX, but ptxas schedules the wait first (offline SASS, nvcc 13): what
+  overlaps is each launch and the previous kernel's tail;
 - only the GEMV signals ``griddepcontrol.launch_dependents``, after its
   weight loop; every other kernel signals implicitly as its blocks exit.
   Signalling at every kernel's start was measured worse: a cascade of
