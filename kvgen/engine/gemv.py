@@ -21,8 +21,7 @@ The library is built by the runtime's CUDA loader (nvcc, the build cache,
 atomic writes) from ``gemv.cu`` beside this file, and launched through
 ctypes on torch's current stream, so CUDA graphs capture it; on Hopper with
 programmatic dependent launch (:mod:`.pdl`): it waits for the kernel that
-wrote ``x`` before reading it, and lets the next kernel start after its
-weight loop.
+wrote ``x`` before its loop and lets the next kernel start after it.
 """
 
 from __future__ import annotations

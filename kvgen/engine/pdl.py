@@ -10,16 +10,16 @@ flush before it reads anything a predecessor wrote or writes anything at
 all. kvgen's PDL kernels keep one contract, so that any chain of them is
 equivalent to plain stream order:
 
-- before the wait they may read only memory no kernel of the step writes
-  (the weights). The GEMV's first weight loads precede its wait in the
-  PTX, but ptxas schedules the wait first (offline SASS, nvcc 13): what
-  overlaps is each launch and the previous kernel's tail;
+- every one of them waits before its first load: what overlaps is each
+  launch and the previous kernel's tail. (A GEMV that issued its first
+  weight loads before the wait compiled to the same order: ptxas put the
+  wait first; offline SASS, nvcc 13.);
 - only the GEMV signals ``griddepcontrol.launch_dependents``, after its
   weight loop; every other kernel signals implicitly as its blocks exit.
-  Signalling at every kernel's start was measured worse: a cascade of
-  kernels then launched ahead, the GEMVs among them streaming weights
-  during the attention kernel (B=1, 16K context on an H200: bf16 KV +5%
-  a step, int4 -3.5%; signalling late: -2.4% for both,
+  Signalling at every kernel's start was measured worse for bf16: a chain
+  of kernels then launched ahead and sat waiting on the SMs during the
+  attention kernel (B=1, 16K context on an H200: bf16 KV +5% a step, int4
+  -3.5%; signalling late: -2.4% for both,
   benchmarks/results/2026-12-03-nvidia-h200-6).
 
 A kernel without the attribute keeps its full dependency whatever the one

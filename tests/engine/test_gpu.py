@@ -138,8 +138,8 @@ def test_swap_preemption_with_graphs_equals_an_unpressured_run(kv):
 
 def _gemv_everywhere(model, rows, verbose=False):
     """gemv.choose's stand-in: the GEMV for every projection and bucket it takes, untimed. Config 3 (4 vectors a
-    lane in flight): TINY's down projection (k = 1024) then runs a whole first chunk, the others (k = 512) a
-    bounds-checked one, so both first-chunk paths of the kernel wait under PDL."""
+    lane in flight): TINY's down projection (k = 1024) then runs a whole chunk, the others (k = 512) only a
+    bounds-checked one, so both chunk paths run under PDL."""
     from kvgen.engine import gemv
 
     for _, pairs in gemv.weight_groups(model):
