@@ -21,7 +21,7 @@ from kvgen.runtime import load
 from kvgen.runtime.autotune import Autotuner, tune
 from kvgen.runtime.backend_choice import choice_key
 
-from test_autotune import Timer, cost
+from .test_autotune import Timer, cost
 
 TRITON_HASH, CUDA_HASH = "aa" * 8, "cc" * 8
 
@@ -209,7 +209,7 @@ def test_auto_package_load_hands_its_variants_to_the_runtime(tmp_path):
     from kvgen.codegen.package import compile_plan
     from kvgen.integrations.transformers import import_package
 
-    from test_cuda_backend import _plan as cuda_plan
+    from .test_cuda_backend import _plan as cuda_plan
 
     res = compile_plan(cuda_plan("bf16"), tmp_path / "pkg", backend="auto", build=False)
     pkg = import_package(res.out_dir)

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import importlib
 import itertools
 import json
 import math
 import os
 import stat
-import sys
 import threading
 from pathlib import Path
 
@@ -368,8 +366,9 @@ def test_cuda_decode_refuses_cpu_tensors_with_a_clear_error():
 
 
 def _hz():
-    sys.path.insert(0, str(Path(__file__).parent))
-    return importlib.import_module("kernels.harness")
+    from .kernels import harness
+
+    return harness
 
 
 GPU_CASES = [  # scheme, head_dim, gqa, page, compute dtype, kv heads

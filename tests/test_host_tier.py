@@ -22,8 +22,8 @@ from kvgen.runtime.errors import SwappedOut
 from kvgen.runtime.pools import poison_
 from kvgen.runtime.tiering import HOST_COMPRESSED
 
-from kernels import harness as hz
-from test_runtime_state_machine import D, H, HQ, case
+from .kernels import harness as hz
+from .test_runtime_state_machine import D, H, HQ, case
 
 # (scheme, compute dtype, page size): every built-in scheme; KIVI int2 with a one-page window so
 # short sequences have compressed (hence possibly cold) pages.

@@ -24,8 +24,8 @@ from hypothesis.stateful import precondition, rule
 from kvgen.registry import default_registry
 from kvgen.runtime import KvgenRuntimeError, OutOfPages
 
-from kernels import harness as hz
-from test_runtime_state_machine import D, HQ, RuntimeMachine, case
+from .kernels import harness as hz
+from .test_runtime_state_machine import D, HQ, RuntimeMachine, case
 
 # (scheme, compute dtype, page size, layers, examples); budget: about 60 s on 2 CPU cores.
 CASES = [

@@ -72,7 +72,7 @@ def test_the_runtime_bench_cycles_through_disjoint_cold_page_sets(tmp_path, monk
     in a scratch pool of the cache's layout: the cache's own pool may be too small to keep them apart); the
     same table comes back only after the others; every other input is shared, also with other configs."""
     from kvgen.runtime.pools import page_bytes
-    from test_backend_choice import _kernels, _load, _plan, _tuner
+    from .test_backend_choice import _kernels, _load, _plan, _tuner
 
     kernels, variants, _ = _kernels("coldbench", [], 0.0)
     cache = _load(_plan(), kernels, variants, _tuner(tmp_path))
@@ -190,7 +190,7 @@ def test_a_sliding_window_plan_counts_only_the_window_s_pages(tmp_path, monkeypa
     """With a sliding window the kernels read only the window's pages: more copies keep them cold."""
     from kvgen.runtime.kernel_timer import cold_copies
     from kvgen.runtime.pools import page_bytes
-    from test_backend_choice import _kernels, _load, _plan, _tuner
+    from .test_backend_choice import _kernels, _load, _plan, _tuner
 
     plan = _plan()
     plan["sliding_window"] = 64

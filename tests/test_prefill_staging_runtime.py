@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from test_runtime import make_cache
+from .test_runtime import make_cache
 
 
 def _prefill(cache, seq_ids, n_new, seed):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvgen.runtime import COMPRESSED, KvgenRuntimeError
-from test_runtime import HQ, D, H, make_cache
+from .test_runtime import HQ, D, H, make_cache
 
 
 def state(cache):
@@ -153,7 +153,7 @@ CPU_WITHOUT_INTERPRETER = r'''
 import os, sys
 sys.path.insert(0, sys.argv[1])
 from kvgen.runtime import KvgenRuntimeError, load
-from test_runtime import kernels_for, make_plan_for
+from tests.test_runtime import kernels_for, make_plan_for
 plan = make_plan_for("fp32").to_json()
 kernels = kernels_for("fp32")
 for attempt in ("unset", "set after import"):
@@ -169,8 +169,8 @@ for attempt in ("unset", "set after import"):
 def test_cpu_without_the_interpreter_says_what_to_do(tmp_path):
     """Item 13: load() on the CPU without TRITON_INTERPRET=1 fails at once, saying what to set."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    tests = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, "-c", CPU_WITHOUT_INTERPRETER, tests], env=env, capture_output=True,
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds the tests package
+    proc = subprocess.run([sys.executable, "-c", CPU_WITHOUT_INTERPRETER, root], env=env, capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()

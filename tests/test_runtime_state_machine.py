@@ -46,7 +46,7 @@ from kvgen.runtime import COMPRESSED, RESIDUAL, OutOfPages, load
 from kvgen.runtime.tiering import HOST, HOST_COMPRESSED, HOST_RESIDUAL
 from kvgen.targets import resolve_target
 
-from kernels import harness as hz
+from .kernels import harness as hz
 
 H, HQ, D = 1, 2, 8
 SPEC = ModelSpec(name="tiny", num_layers=2, hidden_size=16, num_q_heads=HQ, num_kv_heads=H, head_dim=D,

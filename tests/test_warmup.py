@@ -16,7 +16,7 @@ from kvgen.runtime import COMPRESSED, RESIDUAL, load
 from kvgen.runtime.autotune import bucket
 from kvgen.runtime.autotune_model import model_config
 from kvgen.runtime.warmup import SPLIT_COUNTS, WARM_BATCH, decode_variants, scenarios, warm_up
-from test_runtime import kernels_for, make_cache, make_plan_for
+from .test_runtime import kernels_for, make_cache, make_plan_for
 
 H200_SMS = 132
 

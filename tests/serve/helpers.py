@@ -1,6 +1,6 @@
 """Shared pieces of the server tests: an engine with a stand-in model on a real KVCache, and a server thread.
 
-The stand-in (``engine.helpers.TableRunner``: next token = a table row of
+The stand-in (``tests.engine.helpers.TableRunner``: next token = a table row of
 the last token) lets load tests run hundreds of requests: the interpreter
 would take about a second of CPU per sequence and step with the real
 stories260K. The KV cache underneath is the real runtime, so every page a
@@ -21,7 +21,7 @@ import threading
 import time
 import types
 
-from engine.helpers import STORIES, TableRunner, all_free, stories_cache  # noqa: F401 -- re-exported
+from ..engine.helpers import STORIES, TableRunner, all_free, stories_cache  # noqa: F401 -- re-exported
 
 from kvgen.serve.app import build_app
 from kvgen.serve.engine_process import EngineSpec

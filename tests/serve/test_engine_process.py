@@ -38,7 +38,7 @@ from kvgen.serve.engine_process import EngineProcessError, EngineSpec, ProcessWo
 from .helpers import (MODEL, ServerThread, foreign_class, foreign_error, foreign_result, pid_gone,  # noqa: E402
                       table_spec)
 
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds the tests package
 
 
 
@@ -172,10 +172,10 @@ def test_the_engine_process_exits_when_the_server_process_is_killed(tmp_path):
     script = tmp_path / "server.py"
     script.write_text(textwrap.dedent(f"""
         import sys, time
-        sys.path.insert(0, {TESTS!r})
+        sys.path.insert(0, {ROOT!r})
         if __name__ == "__main__":
             from kvgen.serve.engine_process import ProcessWorker
-            from serve.helpers import table_spec
+            from tests.serve.helpers import table_spec
             w = ProcessWorker(table_spec(), max_pending=4)
             print(w.pid, flush=True)
             time.sleep(600)
@@ -197,20 +197,20 @@ def test_a_failing_build_raises_the_engines_error_in_the_server():
 
     started = time.monotonic()
     with pytest.raises(EngineError, match="no model folder at /nowhere"):
-        ProcessWorker(EngineSpec("serve.helpers:broken_engine", {"message": "no model folder at /nowhere"}),
+        ProcessWorker(EngineSpec("tests.serve.helpers:broken_engine", {"message": "no model folder at /nowhere"}),
                       max_pending=4)
     assert time.monotonic() - started < 60
 
 
 def test_a_tokenizer_that_cannot_be_sent_is_an_engine_process_error_that_says_what_to_do():
     with pytest.raises(EngineProcessError, match="tokenizer cannot be sent .*--engine-in-process.*build_app"):
-        ProcessWorker(EngineSpec("serve.light_engines:unsendable_tokenizer_engine"), max_pending=4)
+        ProcessWorker(EngineSpec("tests.serve.light_engines:unsendable_tokenizer_engine"), max_pending=4)
 
 
 def test_an_engine_that_does_not_build_within_the_start_timeout_is_stopped():
     started = time.monotonic()
     with pytest.raises(EngineProcessError, match=r"within 1 s \(EngineSpec.start_timeout\)"):
-        ProcessWorker(EngineSpec("serve.light_engines:slow_engine", {"seconds": 60}, start_timeout=1.0),
+        ProcessWorker(EngineSpec("tests.serve.light_engines:slow_engine", {"seconds": 60}, start_timeout=1.0),
                       max_pending=4)
     assert time.monotonic() - started < 15
 
