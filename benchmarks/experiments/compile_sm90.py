@@ -49,14 +49,19 @@ def signature(names, consts, pointers, floats):
     return {n: kind(n) for n in names}
 
 
-def compile_for_sm90(fn, sig, consts, num_warps, num_stages, not_divisible=()):
+def compile_for_sm90(fn, sig, consts, num_warps, num_stages, not_divisible=(), ones=()):
     """``triton.compile`` of the jitted ``fn`` for sm_90 with signature ``sig`` (argument -> type, "constexpr" for
-    the keys of ``consts``), specialized as the JIT does at launch: pointers 16-byte aligned and ``stride_*``
-    arguments divisible by 16, except those in ``not_divisible`` (do_not_specialize). Without those hints no load
+    the keys of ``consts``), specialized as the JIT does at launch: pointers 16-byte aligned, ``stride_*``
+    arguments divisible by 16, except those in ``not_divisible`` (do_not_specialize), and the integer arguments
+    in ``ones`` (1 at launch, e.g. a unit last stride) compiled as the constant 1. Without those hints no load
     is vectorized, and register and instruction counts are wrong (NOTES.md)."""
     names = fn.arg_names
+    sig, consts = dict(sig), dict(consts)
+    for n in ones:
+        sig[n], consts[n] = "constexpr", 1
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if sig[n].startswith("*") or (n.startswith("stride_") and n not in not_divisible)}
+             if sig[n].startswith("*") or (n.startswith("stride_") and n not in not_divisible
+                                           and sig[n] != "constexpr")}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 64),
                           options={"num_warps": num_warps, "num_stages": num_stages})
@@ -75,6 +80,22 @@ def sass_of(k):
         os.unlink(f.name)
     m = re.search(r"REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", res, re.S)
     return out, int(m.group(1)), int(m.group(2)) + int(m.group(3))
+
+
+def loop_sizes(sass):
+    """Instruction counts of every backward-branch loop body, in code order (a kernel with a whole-tile loop and a
+    masked one lists both; the largest is not always the one that runs most)."""
+    lines = []
+    for l in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", l)
+        if m:
+            lines.append((int(m.group(1), 16), m.group(2).strip()))
+    sizes = []
+    for addr, ins in lines:
+        tgt = re.search(r"0x([0-9a-f]+)", ins) if "BRA" in ins else None
+        if tgt and int(tgt.group(1), 16) < addr:
+            sizes.append(sum(1 for a, _ in lines if int(tgt.group(1), 16) <= a <= addr))
+    return sizes
 
 
 def loop_stats(sass):

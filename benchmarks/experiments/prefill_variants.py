@@ -63,11 +63,13 @@ tile, 16/2 heads at D=64 and D=128, and 6/2 heads (G=3, padded to 4) at D=80 (pa
 float64 reference; output NaN-poisoned, and unwritten page slots hold NaN, so a masked load that reads them
 fails the check. float16 under TRITON_INTERPRET (~2 minutes on 2 cores), bf16 on a GPU.
 
---sm90: compiles every variant for sm_90 with this machine's triton/ptxas (no GPU) and prints registers,
-spills (stack bytes, STL/LDL instructions: cuobjdump reports spills as STACK, LOCAL stays 0), shared memory,
-and SASS counts over the whole kernel: HGMMA (wgmma), MUFU.EX2 (also .BF16), LDGSTS (cp.async into shared
-memory) vs LDG (loads into registers), F2FP (float32 -> 16-bit packs). Register counts from triton 3.9 may differ
-from the GPU's triton 3.6 (benchmarks/experiments/NOTES.md: up to ~30%).
+--sm90: compiles the template's kernel ("template": bf16, all keys from pages) and every variant for sm_90 with
+this machine's triton/ptxas (no GPU) and prints registers, spills (stack bytes, STL/LDL instructions: cuobjdump
+reports spills as STACK, LOCAL stays 0), shared memory, SASS counts over the whole kernel: HGMMA (wgmma),
+MUFU.EX2 (also .BF16), LDGSTS (cp.async into shared memory) vs LDG (loads into registers), F2FP (float32 ->
+16-bit packs), and the instruction count of each loop body ("loops": the whole-tile loop, then the masked one).
+Register counts from triton 3.9 may differ from the GPU's triton 3.6 (benchmarks/experiments/NOTES.md: up to
+~30%); `pip install --target DIR triton==3.6.0` and PYTHONPATH=DIR compile with the GPU's version.
 """
 
 import argparse
@@ -712,10 +714,29 @@ def compile_sm90(flags, cfg, D=D_FULL, G=HQ_FULL // HKV_FULL, H=HKV_FULL):
     return compile_for_sm90(fn, sig, consts, cfg["num_warps"], cfg["num_stages"], not_divisible=("stride_bt",))
 
 
+def compile_template_sm90(cfg, D=D_FULL, G=HQ_FULL // HKV_FULL, H=HKV_FULL):
+    """The real template's all-from-pages kernel (bf16 scheme, rendered by kvgen) compiled as the GPU runs it:
+    no fresh chunk, no staging, q/out/k_new/v_new's unit last strides as constants."""
+    from benchmarks.experiments.compile_sm90 import compile_for_sm90, signature
+    from kvgen.codegen.loader import load_kernel
+    from kvgen.codegen.spec import KernelSpec
+    from kvgen.registry import default_registry
+
+    reg = default_registry()
+    spec = KernelSpec(op="prefill", scheme="bf16", head_dim=D, num_kv_heads=H, gqa_group=G, page_size=PAGE,
+                      compute_dtype="bfloat16", arch="sm_90")
+    fn = load_kernel(spec, reg.schemes["bf16"], reg)._prefill_kernel
+    consts = {"BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["kv"], "FRESH": False, "SKIP_STAGED": False}
+    bf16 = {n: "*bf16" for n in ("q_ptr", "out_ptr", "k_ptr", "v_ptr", "kn_ptr", "vn_ptr")}
+    sig = signature(fn.arg_names, consts, bf16, floats=("sm_scale",))
+    return compile_for_sm90(fn, sig, consts, cfg["num_warps"], cfg["num_stages"], not_divisible=("stride_bt",),
+                            ones=("stride_qd", "stride_od", "stride_knd", "stride_vnd"))
+
+
 def sass_stats(k):
     import re
 
-    from benchmarks.experiments.compile_sm90 import sass_of
+    from benchmarks.experiments.compile_sm90 import loop_sizes, sass_of
 
     sass, regs, spills = sass_of(k)
     ops = [l.split(";")[0].split("*/")[-1].strip() for l in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", l)]
@@ -723,17 +744,19 @@ def sass_stats(k):
     count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
     return {"regs": regs, "stack": spills, "STL": count("STL"), "LDL": count("LDL"),
             "smem": int(k.metadata.shared), "sass": len(ops), "HGMMA": count("HGMMA"), "MUFU.EX2": count("MUFU.EX2"),
-            "LDGSTS": count("LDGSTS"), "LDG": count("LDG"), "F2FP": count("F2FP")}
+            "LDGSTS": count("LDGSTS"), "LDG": count("LDG"), "F2FP": count("F2FP"),
+            "loops": ",".join(map(str, loop_sizes(sass)))}
 
 
 def offline(args):
     variants = args.variants.split(",") if args.variants else VARIANTS
     configs = args.configs.split(",") if args.configs else [DEFAULT_CONFIG]
     for c in configs:
-        for name in variants:
+        for name in ["template"] + variants:
             t0 = time.perf_counter()
             try:
-                k = compile_sm90(parse_variant(name), parse_config(c))
+                k = compile_template_sm90(parse_config(c)) if name == "template" else \
+                    compile_sm90(parse_variant(name), parse_config(c))
                 st = sass_stats(k)
             except Exception as exc:  # noqa: BLE001
                 print(f"{name:32s} {c:12s} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
