@@ -4,8 +4,12 @@
 Options per case: d, g, page, dtype, ppt, warps, st, direct (1/0), sass (dump file path).
 Prints n_regs, n_spills, shared bytes, total SASS instructions, and the instruction mix of the
 largest loop body (the block between the last backward branch target and its branch).
+
+The offline compile itself (compile_for_sm90: specialized as the JIT specializes at launch; sass_of:
+registers and spills) is shared: prefill_variants --sm90 and the CI's prefill build check
+(tests/kernels/sm90_build.py) use it too.
 """
-import os, sys, re, subprocess, tempfile, collections
+import os, sys, subprocess, tempfile, collections
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("KVGEN_CACHE_DIR", "/tmp/kvgen_sm90_cache")
 import torch, triton
@@ -14,9 +18,16 @@ from triton.compiler import ASTSource
 from kvgen.codegen.spec import KernelSpec
 from kvgen.codegen.loader import load_kernel
 from kvgen.registry import default_registry
+from benchmarks.experiments.sass_text import instructions, loop_bodies, opcode, resource_usage
 
-TT = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int8: "*i8", torch.uint8: "*u8",
-      torch.int32: "*i32", torch.float8_e4m3fn: "*fp8e4nv"}
+
+def pointer_type(dtype):
+    """Triton's signature type of a pointer to ``dtype`` elements (a torch dtype), as the JIT names it."""
+    from triton._utils import type_canonicalisation_dict
+
+    return "*" + type_canonicalisation_dict[str(dtype).removeprefix("torch.")]
+
+
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
 r = default_registry()
 
@@ -30,8 +41,9 @@ def compile_one(scheme, d=128, g=8, page=16, dtype="bfloat16", ppt=4, warps=4, s
     fn = mod._decode_kernel
     tensors = {t.name: t.torch_dtype(cd) for t in s.page_tensors(d, page)}
     consts = {"DIRECT": bool(direct), "PAGES_PER_TILE": ppt, "BLOCK_N": ppt * page}
-    pointers = {"q_ptr": TT[cd], "out_ptr": TT[cd], "rk_ptr": TT[cd], "rv_ptr": TT[cd], "part_out_ptr": "*fp32",
-                "part_lse_ptr": "*fp32", **{f"{n}_ptr": TT[t] for n, t in tensors.items()}}
+    ct = pointer_type(cd)
+    pointers = {"q_ptr": ct, "out_ptr": ct, "rk_ptr": ct, "rv_ptr": ct, "part_out_ptr": "*fp32",
+                "part_lse_ptr": "*fp32", **{f"{n}_ptr": pointer_type(t) for n, t in tensors.items()}}
     sig = signature(fn.arg_names, consts, pointers, floats=("qk_scale",))
     # (B=32, L=4096, Hq=64, D=128: q/out strides 8192/128, block-table stride 256)
     return compile_for_sm90(fn, sig, consts, warps, stages)
@@ -78,51 +90,20 @@ def sass_of(k):
         res = subprocess.run([ob, "-res-usage", f.name], capture_output=True, text=True).stdout
     finally:
         os.unlink(f.name)
-    m = re.search(r"REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", res, re.S)
-    return out, int(m.group(1)), int(m.group(2)) + int(m.group(3))
+    regs, spill = resource_usage(res)
+    return out, regs, spill
 
 
 def loop_sizes(sass):
-    """Instruction counts of every backward-branch loop body, in code order (a kernel with a whole-tile loop and a
-    masked one lists both; the largest is not always the one that runs most)."""
-    lines = []
-    for l in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", l)
-        if m:
-            lines.append((int(m.group(1), 16), m.group(2).strip()))
-    sizes = []
-    for addr, ins in lines:
-        tgt = re.search(r"0x([0-9a-f]+)", ins) if "BRA" in ins else None
-        if tgt and int(tgt.group(1), 16) < addr:
-            sizes.append(sum(1 for a, _ in lines if int(tgt.group(1), 16) <= a <= addr))
-    return sizes
+    """Instruction counts of every loop body, in code order (a kernel with a whole-tile loop and a masked one lists
+    both; the largest is not always the one that runs most)."""
+    return [len(body) for body in loop_bodies(sass)]
 
 
 def loop_stats(sass):
-    """Instruction lines; the largest backward-branch loop body's opcode histogram."""
-    lines = []
-    for l in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", l)
-        if m:
-            lines.append((int(m.group(1), 16), m.group(2).strip()))
-    best = None
-    for i, (addr, ins) in enumerate(lines):
-        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", ins)
-        if not m:
-            continue
-        tgt = re.search(r"0x([0-9a-f]+)", ins)
-        if not tgt:
-            continue
-        t = int(tgt.group(1), 16)
-        if t < addr:
-            body = [x for a, x in lines if t <= a <= addr]
-            if best is None or len(body) > len(best):
-                best = body
-    hist = collections.Counter()
-    for ins in best or []:
-        op = re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0]
-        hist[op.split(".")[0]] += 1
-    return len(lines), best or [], hist
+    """(instruction count, the largest loop body, that body's opcode histogram)."""
+    best = max(loop_bodies(sass), key=len, default=[])
+    return len(instructions(sass)), best, collections.Counter(opcode(ins) for ins in best)
 
 
 def main():

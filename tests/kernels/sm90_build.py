@@ -1,29 +1,28 @@
 """Compile one scheme's prefill kernels for sm_90 offline; print their register and spill use as JSON.
 
+Per kernel: registers, spill bytes (cuobjdump's STACK and LOCAL), and per loop of its SASS (code order) its
+instruction count, whether it is a masked tile's loop (it selects -inf into masked logits: FSEL) and how many
+spill loads and stores (LDL/STL) it holds.
+
     python tests/kernels/sm90_build.py int8     (run by test_prefill_sm90_build.py in a fresh process)
 
 A process of its own: Triton fixes interpreter or compiled mode when it is
-imported, and the test session imports it for the interpreter.
+imported, and the test session imports it for the interpreter (the shared
+compile helper drops TRITON_INTERPRET before it imports Triton).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 import sys
-import tempfile
+from pathlib import Path
 
-import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.experiments
+import torch  # noqa: E402
 
-TRITON_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int8: "*i8",
-                torch.uint8: "*u8", torch.int32: "*i32", torch.float8_e4m3fn: "*fp8e4nv"}
-COMPUTE_POINTERS = {"q_ptr", "out_ptr", "rk_ptr", "rv_ptr", "kn_ptr", "vn_ptr", "sk_ptr", "sv_ptr"}
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+from benchmarks.experiments.compile_sm90 import compile_for_sm90, pointer_type, sass_of, signature  # noqa: E402
+from benchmarks.experiments.sass_text import loop_bodies, opcode  # noqa: E402
+
 # (kernel, constexprs, warps, stages): the tiles the GPU candidates use at D=128, GQA 8
 KERNELS = (("_prefill_kernel", {"BLOCK_M": 16, "BLOCK_N": 32, "FRESH": True, "SKIP_STAGED": True}, 8, 2),
            ("_prefill_staged_kernel", {"BLOCK_M": 16, "BLOCK_N": 32, "FRESH": True}, 8, 2),
@@ -32,30 +31,26 @@ KERNELS = (("_prefill_kernel", {"BLOCK_M": 16, "BLOCK_N": 32, "FRESH": True, "SK
            ("_stage_kernel", {"FRESH": True}, 4, 1))
 
 
+COMPUTE_POINTERS = {"q_ptr", "out_ptr", "rk_ptr", "rv_ptr", "kn_ptr", "vn_ptr", "sk_ptr", "sv_ptr"}
+# 1 at every launch (unit last strides of q, out, k_new, v_new): the JIT compiles them as constants
+UNIT_STRIDES = ("stride_qd", "stride_od", "stride_knd", "stride_vnd")
+
+
 def compile_sm90(fn, page_dtypes, constexprs, num_warps, num_stages):
-    """(registers, local-memory bytes) of ``fn`` compiled for sm_90 with pointers 16-byte aligned."""
-    names = fn.arg_names
-    sig = {}
-    for n in names:
-        if n in constexprs:
-            sig[n] = "constexpr"
-        elif n in COMPUTE_POINTERS:
-            sig[n] = TRITON_TYPES[torch.bfloat16]
-        elif n.endswith("_ptr"):
-            sig[n] = TRITON_TYPES[page_dtypes.get(n[:-4], torch.int32)]
-        else:
-            sig[n] = "fp32" if n == "sm_scale" else "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 64),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
-    with tempfile.TemporaryDirectory() as d:
-        cubin = os.path.join(d, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run([CUOBJDUMP, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", usage, re.S)
-    return int(m.group(1)), int(m.group(2))
+    """(registers, spill bytes, loops) of ``fn`` compiled for sm_90 as the JIT compiles it on the GPU."""
+    pointers = {n: pointer_type(torch.bfloat16) for n in COMPUTE_POINTERS}
+    pointers.update({f"{n}_ptr": pointer_type(t) for n, t in page_dtypes.items()})
+    sig = signature(fn.arg_names, constexprs, pointers, floats=("sm_scale",))
+    ones = tuple(n for n in UNIT_STRIDES if n in fn.arg_names)
+    kernel = compile_for_sm90(fn, sig, constexprs, num_warps, num_stages,
+                              not_divisible=("stride_bt", "max_pages"), ones=ones)
+    sass, regs, spills = sass_of(kernel)
+    loops = []
+    for body in loop_bodies(sass):
+        ops = [opcode(ins) for ins in body]
+        loops.append({"instructions": len(ops), "masked": "FSEL" in ops,
+                      "spill_instructions": sum(op in ("STL", "LDL") for op in ops)})
+    return regs, spills, loops
 
 
 def main(scheme: str) -> None:
@@ -70,12 +65,11 @@ def main(scheme: str) -> None:
     page_dtypes = {t.name: t.torch_dtype(torch.bfloat16) for t in s.page_tensors(128, 16)}
     out = []
     for name, consts, warps, stages in KERNELS:
-        regs, local = compile_sm90(getattr(mod, name), page_dtypes, consts, warps, stages)
-        out.append({"kernel": name, "constexprs": consts, "registers": regs, "spill_bytes": local})
+        regs, spills, loops = compile_sm90(getattr(mod, name), page_dtypes, consts, warps, stages)
+        out.append({"kernel": name, "constexprs": consts, "num_warps": warps, "num_stages": stages,
+                    "registers": regs, "spill_bytes": spills, "loops": loops})
     print(json.dumps(out))
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        sys.exit("run without TRITON_INTERPRET: this compiles for the GPU")
     main(sys.argv[1])
