@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|gemv|prefill] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|gemv|prefill|confirm] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -280,6 +280,22 @@ if [ "$what" = prefill ]; then
   timeout 150 python3 -m benchmarks.experiments.prefill_sweep --schemes bf16 --seconds 110 >"$OUT/prefill_sweep.txt" 2>&1
   echo "prefill sweep: exit $?"; cut -c1-160 "$OUT/prefill_sweep.txt"
   tar czf /tmp/prefill.tgz -C "$OUT" . && find "$OUT" -mindepth 1 ! -name env.txt -delete && mv /tmp/prefill.tgz "$OUT/"
+fi
+if [ "$what" = confirm ]; then
+  # About 8 minutes, for the first session with device time after 2026-12-03's twentieth: the GPU test of the PDL
+  # decode graphs on ef7acc6's GEMV and decode entry (never run on a GPU), issue 14's B=1 step in its own
+  # benchmark with PDL, and whether the prefill template's 0.9 ms against its experiment copy is the order it
+  # was timed in (template-last). Run the decode table (`bench --ops decode --backend auto ...`) in a call after.
+  par=""; python3 -c "import xdist" 2>/dev/null && par="-n 3"  # its three cases (two engines each) side by side
+  timeout 150 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+    tests/engine/test_gpu.py -k pdl >"$OUT/pytest-gpu-pdl.log" 2>&1
+  echo "PDL GPU test: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-pdl.log" | tail -6 | cut -c1-200
+  timeout 200 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-only \
+    --out "$OUT/engine_step.json" >"$OUT/engine_step.log" 2>&1; echo "engine step: exit $?"
+  grep '"kind"' "$OUT/engine_step.log" | cut -c1-300
+  timeout 130 python3 -m benchmarks.experiments.prefill_variants --variants base,fold+pvec --configs 16x128w8s3 \
+    --seconds 90 --out "$OUT/prefill_variants.json" >"$OUT/prefill_variants.log" 2>&1
+  echo "prefill variants: exit $?"; grep -E "^(sdpa|template|base|fold)" "$OUT/prefill_variants.log" | cut -c1-160
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"
