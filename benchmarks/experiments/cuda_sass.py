@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.experiments.sass_text import opcode
+
 NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "-arch=sm_90a", "-cubin", "-Xptxas", "-v")
 INSTANCE = re.compile(r"decode_kernelILi(\d+)ELi(\d+)E")
 
@@ -94,14 +96,6 @@ def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
         if (m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)):
             out[name].append((int(m.group(1), 16), m.group(2)))
     return out
-
-
-def opcode(text: str) -> str:
-    """The instruction's opcode family: predicate dropped, first dotted word (``@!P0 IMAD.MOV.U32`` -> IMAD)."""
-    words = text.split()
-    if words and words[0].startswith("@"):
-        words = words[1:]
-    return words[0].split(".")[0] if words else "?"
 
 
 def largest_loop(instrs: list[tuple[int, str]]) -> list[tuple[int, str]]:
