@@ -282,19 +282,20 @@ if [ "$what" = prefill ]; then
   tar czf /tmp/prefill.tgz -C "$OUT" . && find "$OUT" -mindepth 1 ! -name env.txt -delete && mv /tmp/prefill.tgz "$OUT/"
 fi
 if [ "$what" = confirm ]; then
-  # About 8 minutes, for the first session with device time after 2026-12-03's twentieth: the GPU test of the PDL
-  # decode graphs on ef7acc6's GEMV and decode entry (never run on a GPU), issue 14's B=1 step in its own
-  # benchmark with PDL, and whether the prefill template's 0.9 ms against its experiment copy is the order it
-  # was timed in (template-last). Run the decode table (`bench --ops decode --backend auto ...`) in a call after.
+  # About 9 minutes with the install (one 10-minute device call), for the first session with device time after
+  # 2026-12-03's twentieth: the GPU test of the PDL decode graphs on ef7acc6's GEMV and decode entry (never run
+  # on a GPU), issue 14's B=1 step in its own benchmark with PDL, and whether the prefill template's 0.9 ms
+  # against its experiment copy is the order it was timed in (template-last). Run the decode table
+  # (`bench --ops decode --backend auto ...`) in a call after.
   par=""; python3 -c "import xdist" 2>/dev/null && par="-n 3"  # its three cases (two engines each) side by side
-  timeout 150 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
+  timeout 130 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
     tests/engine/test_gpu.py -k pdl >"$OUT/pytest-gpu-pdl.log" 2>&1
   echo "PDL GPU test: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-pdl.log" | tail -6 | cut -c1-200
-  timeout 200 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-only \
+  timeout 260 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-only \
     --out "$OUT/engine_step.json" >"$OUT/engine_step.log" 2>&1; echo "engine step: exit $?"
   grep '"kind"' "$OUT/engine_step.log" | cut -c1-300
-  timeout 130 python3 -m benchmarks.experiments.prefill_variants --variants base,fold+pvec --configs 16x128w8s3 \
-    --seconds 90 --out "$OUT/prefill_variants.json" >"$OUT/prefill_variants.log" 2>&1
+  timeout 120 python3 -m benchmarks.experiments.prefill_variants --variants base,fold+pvec --configs 16x128w8s3 \
+    --seconds 80 --out "$OUT/prefill_variants.json" >"$OUT/prefill_variants.log" 2>&1
   echo "prefill variants: exit $?"; grep -E "^(sdpa|template|base|fold)" "$OUT/prefill_variants.log" | cut -c1-160
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
