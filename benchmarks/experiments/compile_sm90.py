@@ -75,8 +75,9 @@ def compile_for_sm90(fn, sig, consts, num_warps, num_stages, not_divisible=(), o
              if sig[n].startswith("*") or (n.startswith("stride_") and n not in not_divisible
                                            and sig[n] != "constexpr")}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    # FP fusion as every kvgen launch states it (templates/triton/launch_options.j2)
     return triton.compile(src, target=GPUTarget("cuda", 90, 64),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True})
 
 
 def sass_of(k):

@@ -60,6 +60,11 @@ def use_triton(x: torch.Tensor) -> bool:
     return _impl(x) is not None
 
 
+# The compile options of every launch here: FP fusion stated, as the generated kernels state it
+# (templates/triton/launch_options.j2 says why; tests/engine/test_fused.py holds the two equal).
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
+
 def _pdl(x: torch.Tensor) -> dict:
     """A launch's PDL arguments (:mod:`.pdl`): the kernel's PDL constexpr and Triton's ``launch_pdl``, or none."""
     return {"PDL": True, "launch_pdl": True} if pdl.enabled(x) else {}
@@ -118,7 +123,8 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     kernels.qkv_rope_kernel[(_cdiv(n_rows, block),)](
         qkv, buf, positions, cos, sin, q_norm if norm else cos, k_norm if norm else cos,
         n_rows, T, qkv.stride(0), float(eps),
-        HQ=Hq, HKV=Hkv, HALF=half, HALF_PAD=half_pad, BLOCK_R=block, QK_NORM=norm, num_warps=4, **_pdl(qkv))
+        HQ=Hq, HKV=Hkv, HALF=half, HALF_PAD=half_pad, BLOCK_R=block, QK_NORM=norm, num_warps=4, **_pdl(qkv),
+        **COMPILE_OPTIONS)
     return q, k, v
 
 
@@ -182,7 +188,7 @@ def _launch_norm(kernels, x: torch.Tensor, res: torch.Tensor | None, out: torch.
     kernels.add_rms_norm_kernel[(_cdiv(T, block_t),)](
         x, x if res is None else res, out, w, T, N, x.stride(0), 0 if res is None else res.stride(0),
         out.stride(0), float(eps), HAS_RES=res is not None, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=warps,
-        **_pdl(x))
+        **_pdl(x), **COMPILE_OPTIONS)
 
 
 # ---------------------------------------------------------------------------------------------- SiLU * up
@@ -200,5 +206,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block_t = _rows_per_program(kernels, T, block_i, 1)
     kernels.silu_mul_kernel[(_cdiv(T, block_t), _cdiv(inter, block_i))](
         gate_up, out, T, inter, gate_up.stride(0), out.stride(0), BLOCK_T=block_t, BLOCK_I=block_i, num_warps=4,
-        **_pdl(gate_up))
+        **_pdl(gate_up), **COMPILE_OPTIONS)
     return out
