@@ -80,6 +80,23 @@ def compile_for_sm90(fn, sig, consts, num_warps, num_stages, not_divisible=(), o
                           options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True})
 
 
+PREFILL_COMPUTE_POINTERS = ("q_ptr", "out_ptr", "rk_ptr", "rv_ptr", "kn_ptr", "vn_ptr", "sk_ptr", "sv_ptr")
+PREFILL_UNIT_STRIDES = ("stride_qd", "stride_od", "stride_knd", "stride_vnd")
+"""The unit last strides of q, out, k_new and v_new: 1 at every launch, so the JIT compiles them as constants."""
+
+
+def compile_prefill_kernel(fn, page_dtypes, constexprs, num_warps, num_stages, compute=torch.bfloat16):
+    """A kernel of a rendered prefill module (``_prefill_kernel``, ``_prefill_staged_kernel``, ``_stage_kernel``)
+    compiled for sm_90 as the JIT compiles it on the GPU: compute-dtype q/out/residual/fresh/staging pointers,
+    the page tensors' own (``page_dtypes``: tensor name -> torch dtype), the unit strides as constants, the
+    block-table stride and ``max_pages`` unspecialized (do_not_specialize)."""
+    pointers = {n: pointer_type(compute) for n in PREFILL_COMPUTE_POINTERS}
+    pointers.update({f"{n}_ptr": pointer_type(t) for n, t in page_dtypes.items()})
+    sig = signature(fn.arg_names, constexprs, pointers, floats=("sm_scale",))
+    return compile_for_sm90(fn, sig, constexprs, num_warps, num_stages, not_divisible=("stride_bt", "max_pages"),
+                            ones=tuple(n for n in PREFILL_UNIT_STRIDES if n in fn.arg_names))
+
+
 def sass_of(k):
     """(SASS text, registers, spill bytes) of a compiled Triton kernel (one function in its cubin): cuobjdump
     reports its spills as the STACK frame (LOCAL is other local memory), so both count."""

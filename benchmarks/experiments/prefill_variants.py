@@ -717,30 +717,28 @@ def compile_sm90(flags, cfg, D=D_FULL, G=HQ_FULL // HKV_FULL, H=HKV_FULL):
 def compile_template_sm90(cfg, D=D_FULL, G=HQ_FULL // HKV_FULL, H=HKV_FULL):
     """The real template's all-from-pages kernel (bf16 scheme, rendered by kvgen) compiled as the GPU runs it:
     no fresh chunk, no staging, q/out/k_new/v_new's unit last strides as constants."""
-    from benchmarks.experiments.compile_sm90 import compile_for_sm90, signature
+    from benchmarks.experiments.compile_sm90 import compile_prefill_kernel
     from kvgen.codegen.loader import load_kernel
     from kvgen.codegen.spec import KernelSpec
     from kvgen.registry import default_registry
 
     reg = default_registry()
+    scheme = reg.schemes["bf16"]
     spec = KernelSpec(op="prefill", scheme="bf16", head_dim=D, num_kv_heads=H, gqa_group=G, page_size=PAGE,
                       compute_dtype="bfloat16", arch="sm_90")
-    fn = load_kernel(spec, reg.schemes["bf16"], reg)._prefill_kernel
+    fn = load_kernel(spec, scheme, reg)._prefill_kernel
     consts = {"BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["kv"], "FRESH": False, "SKIP_STAGED": False}
-    bf16 = {n: "*bf16" for n in ("q_ptr", "out_ptr", "k_ptr", "v_ptr", "kn_ptr", "vn_ptr")}
-    sig = signature(fn.arg_names, consts, bf16, floats=("sm_scale",))
-    return compile_for_sm90(fn, sig, consts, cfg["num_warps"], cfg["num_stages"], not_divisible=("stride_bt",),
-                            ones=("stride_qd", "stride_od", "stride_knd", "stride_vnd"))
+    page_dtypes = {t.name: t.torch_dtype(torch.bfloat16) for t in scheme.page_tensors(D, PAGE)}
+    return compile_prefill_kernel(fn, page_dtypes, consts, cfg["num_warps"], cfg["num_stages"])
 
 
 def sass_stats(k):
-    import re
-
     from benchmarks.experiments.compile_sm90 import loop_sizes, sass_of
+    from benchmarks.experiments.sass_text import instructions
 
     sass, regs, spills = sass_of(k)
-    ops = [l.split(";")[0].split("*/")[-1].strip() for l in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", l)]
-    ops = [re.sub(r"^@!?U?P\w+\s+", "", o).split(" ")[0] for o in ops if o]
+    # opcodes with their modifiers (MUFU.EX2 and MUFU.EX2.BF16 both count as MUFU.EX2), predicates dropped
+    ops = [ins.split()[1] if ins.startswith("@") else ins.split()[0] for _, ins in instructions(sass)]
     count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
     return {"regs": regs, "stack": spills, "STL": count("STL"), "LDL": count("LDL"),
             "smem": int(k.metadata.shared), "sass": len(ops), "HGMMA": count("HGMMA"), "MUFU.EX2": count("MUFU.EX2"),

@@ -61,7 +61,7 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 # The compile options of every launch here: FP fusion stated, as the generated kernels state it
-# (templates/triton/launch_options.j2 says why; tests/engine/test_fused.py holds the two equal).
+# (templates/triton/launch_options.j2 says why; tests/test_compile_options.py holds the two equal).
 COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.experiments
 import torch  # noqa: E402
 
-from benchmarks.experiments.compile_sm90 import compile_for_sm90, pointer_type, sass_of, signature  # noqa: E402
+from benchmarks.experiments.compile_sm90 import compile_prefill_kernel, sass_of  # noqa: E402
 from benchmarks.experiments.sass_text import loop_bodies, opcode  # noqa: E402
 
 # (kernel, constexprs, warps, stages): the tiles the GPU candidates use at D=128, GQA 8
@@ -31,20 +31,9 @@ KERNELS = (("_prefill_kernel", {"BLOCK_M": 16, "BLOCK_N": 32, "FRESH": True, "SK
            ("_stage_kernel", {"FRESH": True}, 4, 1))
 
 
-COMPUTE_POINTERS = {"q_ptr", "out_ptr", "rk_ptr", "rv_ptr", "kn_ptr", "vn_ptr", "sk_ptr", "sv_ptr"}
-# 1 at every launch (unit last strides of q, out, k_new, v_new): the JIT compiles them as constants
-UNIT_STRIDES = ("stride_qd", "stride_od", "stride_knd", "stride_vnd")
-
-
 def compile_sm90(fn, page_dtypes, constexprs, num_warps, num_stages):
     """(registers, spill bytes, loops) of ``fn`` compiled for sm_90 as the JIT compiles it on the GPU."""
-    pointers = {n: pointer_type(torch.bfloat16) for n in COMPUTE_POINTERS}
-    pointers.update({f"{n}_ptr": pointer_type(t) for n, t in page_dtypes.items()})
-    sig = signature(fn.arg_names, constexprs, pointers, floats=("sm_scale",))
-    ones = tuple(n for n in UNIT_STRIDES if n in fn.arg_names)
-    kernel = compile_for_sm90(fn, sig, constexprs, num_warps, num_stages,
-                              not_divisible=("stride_bt", "max_pages"), ones=ones)
-    sass, regs, spills = sass_of(kernel)
+    sass, regs, spills = sass_of(compile_prefill_kernel(fn, page_dtypes, constexprs, num_warps, num_stages))
     loops = []
     for body in loop_bodies(sass):
         ops = [opcode(ins) for ins in body]
