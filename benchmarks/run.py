@@ -4,9 +4,10 @@
 
 Measures, in this order: the device copy bandwidth (a 4 GiB device-to-device
 copy, read + write bytes); every scheme's generated decode kernel at the
-ANCHORS shapes (measured peer numbers kept with the project's notes) (best of the kernel's own tuning candidates,
-median of triton.testing.do_bench; with ``--backend auto`` the kernel and config the runtime itself chooses
-instead, see :func:`runtime_choice`), bytes it reads, fraction of copy
+ANCHORS shapes (measured peer numbers kept with the project's notes) (best of the kernel's own tuning candidates;
+with ``--backend auto`` the kernel and config the runtime itself chooses instead, see :func:`runtime_choice`;
+timed cold in L2 from a CUDA graph, and by triton.testing.do_bench beside it: benchmarks/decode_timing.py),
+bytes it reads, fraction of copy
 bandwidth, ratio to contiguous bf16 SDPA in the same run, and its error
 against float32 attention over the unquantized K/V; cache writes (one decode
 step and a 4096-token prefill); paged prefill at 8K against SDPA flash; and
@@ -24,7 +25,6 @@ import math
 import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -149,10 +149,15 @@ class DecodeCase:
         return out.view(self.B, self.Hq, self.D)
 
 
-def sdpa_decode_ms(case: DecodeCase) -> float:
-    q = case.q.view(case.B, case.Hq, 1, case.D)
-    f = torch.nn.functional.scaled_dot_product_attention
-    return bench(lambda: f(q, case.k_raw, case.v_raw, enable_gqa=True))
+def sdpa_decode_ms(case: DecodeCase, timer: str = "do_bench") -> float:
+    """Contiguous SDPA over the case's unquantized K/V, by ``timer`` (benchmarks.decode_timing)."""
+    return sdpa_decode_times(case)[timer]
+
+
+def sdpa_decode_times(case: DecodeCase) -> dict[str, float]:
+    from benchmarks.decode_timing import sdpa_times
+
+    return sdpa_times(case.q.view(case.B, case.Hq, 1, case.D), case.k_raw, case.v_raw)
 
 
 def kernel_spec(op, scheme_name, Hkv, G, D, dtype="bfloat16", backend="triton"):
@@ -226,26 +231,32 @@ def runtime_choice(tuner, name, shapes, Hq, Hkv, D):
     return choice, modules
 
 
-def best_config(mod, run, batch, length):
-    """Time every tuning candidate; return (best ms, best config, per-candidate times)."""
+def best_config(mod, run, batch, length, timer=None):
+    """Time every tuning candidate; return (best ms, best config, per-candidate times). ``timer``: a
+    benchmarks.decode_timing.KernelTimer (its primary timer); default do_bench of ``run(cfg)``."""
     results = []
     for cfg in mod.candidates(batch, length):
         try:
-            results.append((bench(lambda: run(cfg), rep_ms=60), cfg))
+            results.append((timer.ms(cfg, quick=True) if timer else bench(lambda: run(cfg), rep_ms=60), cfg))
         except Exception as exc:  # a candidate that does not compile (registers, smem) is skipped
             print(f"    candidate {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
     if not results:
         raise RuntimeError("no tuning candidate ran")
     ms, cfg = min(results, key=lambda r: r[0])
-    return bench(lambda: run(cfg)), cfg, results
+    return (timer.ms(cfg) if timer else bench(lambda: run(cfg))), cfg, results
 
 
-def decode_records(schemes, shapes, copy_bw, log, backend="triton"):
+def decode_records(schemes, shapes, copy_bw, log, backend="triton", timer="graph"):
     """Every scheme's decode at every shape against SDPA and kvgen bf16: the best tuning candidate of the backend
     ``--backend`` names; with ``auto``, the kernel the runtime chooses per scheme and kernel shape
-    (:func:`runtime_choice`, recorded as ``backend`` with ``backend_why``) at the config its autotuner gives."""
+    (:func:`runtime_choice`, recorded as ``backend`` with ``backend_why``) at the config its autotuner gives.
+    ``ms`` and the ratios are by ``timer`` (benchmarks.decode_timing: ``graph``, cold from a CUDA graph, or
+    ``do_bench``); ``ms_graph``/``ms_do_bench`` and ``ratio_to_*_do_bench`` keep both."""
+    from benchmarks.decode_timing import KernelTimer
+
     records = []
     bf16_ms = {}
+    bf16_do_bench = {}
     choices = {}  # (scheme, Hq, Hkv, D) -> (BackendChoice, modules): auto only
     tuner = None
     if backend == "auto":
@@ -256,7 +267,7 @@ def decode_records(schemes, shapes, copy_bw, log, backend="triton"):
         tune_dir = tempfile.TemporaryDirectory(prefix="kvgen-bench-tune-")
         tuner = Autotuner(torch.device("cuda"), mode="sync", progress=False, directory=tune_dir.name)
     for (B, L, Hq, Hkv, D) in shapes:
-        sdpa_ms = None
+        sdpa = None
         for name in schemes:
             case = None
             best = None  # (ms, config, backend, run)
@@ -277,30 +288,41 @@ def decode_records(schemes, shapes, copy_bw, log, backend="triton"):
                 if case is None:
                     case = DecodeCase(scheme, B, L, Hq, Hkv, D)
                     out = torch.empty_like(case.q)
-                if sdpa_ms is None:
-                    sdpa_ms = sdpa_decode_ms(case)
+                if sdpa is None:
+                    sdpa = sdpa_decode_times(case)
 
-                def run(cfg, mod=mod):
-                    mod.launch(case.q, out, case.pools, case.block_tables, case.seq_lens, case.num_compressed, sm,
-                               cfg)
+                def launch(cfg, pools, tables, mod=mod):
+                    mod.launch(case.q, out, pools, tables, case.seq_lens, case.num_compressed, sm, cfg)
 
+                def run(cfg, launch=launch):
+                    launch(cfg, case.pools, case.block_tables)
+
+                kt = KernelTimer(launch, case.pools, case.block_tables, int(case.num_compressed[0]), timer)
                 if chosen is not None:  # the user's path: the runtime's kernel at its autotuner's config
                     cfg = tuner.config("decode", modules[be], (B, L), lambda c, run=run: (lambda: run(c)))
-                    ms = bench(lambda: run(cfg))
+                    ms = kt.ms(cfg)
                 else:
-                    ms, cfg, _ = best_config(mod, run, B, L)
+                    ms, cfg, _ = best_config(mod, run, B, L, kt)
                 if best is None or ms < best[0]:
-                    best = (ms, cfg, be, run)
-            ms, cfg, be, run = best
+                    best = (ms, cfg, be, run, kt)
+            _, cfg, be, run, kt = best
+            times = kt.both(cfg)  # the winner timed again by each timer, one after the other
+            ms = times[timer]
             out.fill_(float("nan"))  # the winner's own output is checked, not a loser's
             run(cfg)
             torch.cuda.synchronize()
             err = rel_l2(out.float(), case.reference())
+            key = (B, L, Hq, Hkv, D)
             if name == "bf16":
-                bf16_ms[(B, L, Hq, Hkv, D)] = ms
-            rec = dict(op="decode", scheme=name, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, page_size=PAGE, ms=ms,
-                       bytes=case.bytes, bw_fraction=case.bytes / (ms * 1e-3) / copy_bw, sdpa_ms=sdpa_ms,
-                       ratio_to_sdpa=ms / sdpa_ms, ratio_to_bf16=ms / bf16_ms.get((B, L, Hq, Hkv, D), float("nan")),
+                bf16_ms[key], bf16_do_bench[key] = ms, times["do_bench"]
+            nan = float("nan")
+            rec = dict(op="decode", scheme=name, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, page_size=PAGE, ms=ms, timer=timer,
+                       ms_graph=times["graph"], ms_do_bench=times["do_bench"],
+                       bytes=case.bytes, bw_fraction=case.bytes / (ms * 1e-3) / copy_bw, sdpa_ms=sdpa[timer],
+                       sdpa_ms_graph=sdpa["graph"], sdpa_ms_do_bench=sdpa["do_bench"],
+                       ratio_to_sdpa=ms / sdpa[timer], ratio_to_bf16=ms / bf16_ms.get(key, nan),
+                       ratio_to_sdpa_do_bench=times["do_bench"] / sdpa["do_bench"],
+                       ratio_to_bf16_do_bench=times["do_bench"] / bf16_do_bench.get(key, nan),
                        rel_error=err, config=cfg, backend=be)
             if chosen is not None:
                 rec.update(backend_why=chosen.why, backend_ms=dict(chosen.ms))
@@ -308,143 +330,6 @@ def decode_records(schemes, shapes, copy_bw, log, backend="triton"):
             records.append(rec)
             del case
             torch.cuda.empty_cache()
-    return records
-
-
-def write_case(scheme, N, Hkv, D, *, prompt=True, device="cuda"):
-    """N new tokens' K/V (bf16, random) and the pool a cache write stores them in.
-
-    ``prompt``: consecutive slots of the prompt's own pages, the pages scattered
-    over the pool; otherwise one token per sequence anywhere in the pool (a
-    decode step). Residual schemes write the bf16 residual pool. Returns
-    ``(k, v, pools, slots, bytes)``, bytes = K/V read + pool bytes written + slot ids.
-    """
-    from kvgen.runtime.pools import allocate_pool
-
-    pages = max(64, 4 * N // PAGE)
-    if scheme.residual_tokens is None:
-        tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in scheme.page_tensors(D, PAGE)]
-    else:
-        tensors = [{"name": "rk", "dtype": "compute", "shape": [PAGE, D]},
-                   {"name": "rv", "dtype": "compute", "shape": [PAGE, D]}]
-    pools = allocate_pool(tensors, pages, Hkv, torch.bfloat16, device)
-    k = torch.randn(N, Hkv, D, device=device, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    if prompt:
-        own = torch.randperm(pages, device=device)[: N // PAGE]
-        slots = (own[:, None] * PAGE + torch.arange(PAGE, device=device)[None, :]).flatten().long()
-    else:
-        slots = torch.randperm(pages * PAGE, device=device)[:N].long()
-    written = sum(pools[t["name"]][0].numel() * pools[t["name"]].element_size() for t in tensors) / PAGE * N
-    return k, v, pools, slots, int(2 * k.numel() * k.element_size() + written + slots.numel() * 8)
-
-
-WRITE_COPIES = 8
-"""Independent input sets a write is timed over (bench_cold): 8 x ~30 MB at 4096 tokens, past the L2 cache."""
-
-
-def plain_copy_ms(nbytes: int) -> float:
-    """bench_cold of a device copy moving ``nbytes`` (half read, half written) over WRITE_COPIES buffer pairs:
-    what a kernel of that size reaches at all."""
-    copies = [(torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda"),
-               torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")) for _ in range(WRITE_COPIES)]
-    return bench_cold([lambda d=d, s=s: d.copy_(s) for d, s in copies])
-
-
-def write_records(schemes, copy_bw, log):
-    """Cache write (quantize + scatter) of one decode step (32 tokens) and of a 4096-token prefill.
-
-    Timed with bench_cold (a CUDA graph of writes on rotating inputs); beside each, a plain
-    device copy of the same number of bytes timed the same way (``copy_ms``): what a kernel
-    this small reaches at all (the 4 GiB copy that defines copy_bw amortizes its ramp-up
-    and tail, a 25 MB one does not).
-    """
-    records = []
-    Hkv, D = 8, 128
-    for name in schemes:
-        mod, scheme = kernel_module("cache_write", name, Hkv, 8, D)
-        for N, label in ((32, "decode step"), (4096, "prefill 4096")):
-            cases = [write_case(scheme, N, Hkv, D, prompt=N != 32) for _ in range(WRITE_COPIES)]
-            nbytes = cases[0][4]
-            ms = bench_cold([lambda c=c: mod.launch(*c[:4]) for c in cases])
-            copy_ms = plain_copy_ms(nbytes)
-            copy_fraction = nbytes / (copy_ms * 1e-3) / copy_bw
-            rec = dict(op="write", scheme=name, B=N, L=1, Hq=64, Hkv=Hkv, D=D, page_size=PAGE, ms=ms, bytes=nbytes,
-                       bw_fraction=nbytes / (ms * 1e-3) / copy_bw, sdpa_ms=None, rel_error=None,
-                       config=mod.default_config(N), copy_ms=copy_ms,
-                       copy_fraction=copy_fraction, note=f"{label}; a plain copy of as many bytes: {copy_fraction:.3f}")
-            log(rec)
-            records.append(rec)
-            del cases
-            torch.cuda.empty_cache()
-    return records
-
-
-def prefill_records(schemes, copy_bw, log):
-    """Causal prefill of B=4 prompts of 8192 tokens vs SDPA (flash) on contiguous tensors.
-
-    "pages": every key read through the block table from the scheme's pages (a chunk
-    whose K/V are already cached, e.g. after a prefix-cache hit). "fresh" (bf16 only):
-    the prompt's own K/V passed as k_new/v_new, as KVCache.prefill(layer, q, k, v) runs a
-    new prompt; there is no cached prefix, so no page is read.
-    """
-    records = []
-    B, L, Hq, Hkv, D = 4, 8192, 64, 8, 128
-    variants = [(name, "pages") for name in schemes] + ([("bf16", "fresh")] if "bf16" in schemes else [])
-    for name, kv in variants:
-        mod, scheme = kernel_module("prefill", name, Hkv, Hq // Hkv, D)
-        case = DecodeCase(scheme, B, L, Hq, Hkv, D)
-        q = torch.randn(B * L, Hq, D, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty_like(q)
-        cu = torch.arange(0, B + 1, device="cuda", dtype=torch.int32) * L
-        flops = 4 * B * Hq * D * L * L / 2
-        fresh = {}
-        if kv == "fresh":
-            fresh = {"k_new": case.k_raw.transpose(1, 2).reshape(B * L, Hkv, D),
-                     "v_new": case.v_raw.transpose(1, 2).reshape(B * L, Hkv, D)}
-
-        def run(cfg):
-            mod.launch(q, out, case.pools, case.block_tables, case.seq_lens, case.num_compressed, cu, L, 1 / math.sqrt(D),
-                       cfg, **fresh)
-
-        ms, cfg, _ = best_config(mod, run, B, L)
-        qs = q.view(B, L, Hq, D).transpose(1, 2)
-        f = torch.nn.functional.scaled_dot_product_attention
-        sdpa_ms = bench(lambda: f(qs, case.k_raw, case.v_raw, is_causal=True, enable_gqa=True))
-        rec = dict(op="prefill", scheme=name, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, page_size=PAGE, ms=ms, bytes=case.bytes,
-                   bw_fraction=None, sdpa_ms=sdpa_ms, tflops=flops / (ms * 1e-3) / 1e12,
-                   ratio_to_sdpa_throughput=sdpa_ms / ms, rel_error=None, config=cfg, note=f"kv from {kv}")
-        log(rec)
-        records.append(rec)
-        del case
-        torch.cuda.empty_cache()
-    return records
-
-
-def compile_records(log):
-    from kvgen.codegen.package import compile_plan
-    from kvgen.models import resolve_model
-    from kvgen.planner.planner import make_plan
-    from kvgen.planner.workload import Workload
-    from kvgen.registry import default_registry
-    from kvgen.targets import resolve_target
-
-    records = []
-    with tempfile.TemporaryDirectory() as d:
-        t0 = time.perf_counter()
-        plan = make_plan(resolve_model("llama-3-70b"), resolve_target("h100"), Workload(), default_registry().schemes, kv="int4")
-        cold = compile_plan(plan, Path(d) / plan.name)
-        cold_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        plan = make_plan(resolve_model("llama-3-70b"), resolve_target("h100"), Workload(), default_registry().schemes, kv="int4")
-        warm = compile_plan(plan, Path(d) / plan.name)
-        warm_s = time.perf_counter() - t1
-        assert warm.unchanged
-    for label, s in (("cold", cold_s), ("cached", warm_s)):
-        rec = dict(op="compile", scheme="int4", B=None, L=None, Hq=64, Hkv=8, D=128, page_size=16, ms=s * 1e3,
-                   bytes=None, bw_fraction=None, sdpa_ms=None, rel_error=None, note=label)
-        log(rec)
-        records.append(rec)
     return records
 
 
@@ -500,6 +385,10 @@ def main(argv=None) -> int:
                     help="decode kernels to time: triton (default), cuda (schemes it serves), or auto (the one "
                          "the runtime chooses per scheme and kernel shape over the anchor shapes, as it does for a "
                          "package compiled with --backend auto, at its autotuner's config)")
+    ap.add_argument("--decode-timer", choices=("graph", "do_bench"), default="graph",
+                    help="decode's ms and ratios: graph (default; cold in L2, from a CUDA graph, as the engine and "
+                         "the autotuner run it) or do_bench (zero-flushed L2; the timer until 2026-12-03); both "
+                         "are recorded (benchmarks/decode_timing.py)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU (run them on the device machine)", file=sys.stderr)
@@ -528,7 +417,9 @@ def main(argv=None) -> int:
 
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s on {gpu}", flush=True)
     ops = args.ops.split(",")
-    steps = {"decode": lambda: decode_records(schemes, shapes, copy_bw, log, args.backend),
+    from benchmarks.run_other_ops import compile_records, prefill_records, write_records
+
+    steps = {"decode": lambda: decode_records(schemes, shapes, copy_bw, log, args.backend, args.decode_timer),
              "write": lambda: write_records(schemes, copy_bw, log),
              "prefill": lambda: prefill_records([s for s in schemes if s in ("bf16", "int8", "int4")], copy_bw, log),
              "compile": lambda: compile_records(log)}

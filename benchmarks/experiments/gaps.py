@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import run as bench_run
+from benchmarks import run_other_ops
 
 PAGE = 16
 
@@ -60,7 +61,7 @@ def write_part(copy_bw, emit):
         del src, dst, both
         for name in ("bf16", "int8", "fp8", "int4"):
             mod, scheme = bench_run.kernel_module("cache_write", name, Hkv, 8, D)
-            k, v, pools, slots, nb = bench_run.write_case(scheme, N, Hkv, D)
+            k, v, pools, slots, nb = run_other_ops.write_case(scheme, N, Hkv, D)
             for cfg in (None, {"tokens_per_program": 8, "num_warps": 4}, {"tokens_per_program": 16, "num_warps": 4}):
                 fn = lambda: mod.launch(k, v, pools, slots, config=cfg)  # noqa: E731
                 ms = bench_run.bench(fn)

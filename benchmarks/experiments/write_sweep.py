@@ -15,6 +15,7 @@ L2): do_bench times the Python launch of a kernel this short.
 import sys
 
 from benchmarks import run as bench_run
+from benchmarks import run_other_ops
 
 PAGE, Hkv, D, N = 16, 8, 128, 4096
 
@@ -24,9 +25,9 @@ def main() -> int:
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
     for name in ("int8", "fp8", "bf16"):
         mod, scheme = bench_run.kernel_module("cache_write", name, Hkv, 8, D)
-        cases = [bench_run.write_case(scheme, N, Hkv, D) for _ in range(bench_run.WRITE_COPIES)]
+        cases = [run_other_ops.write_case(scheme, N, Hkv, D) for _ in range(run_other_ops.WRITE_COPIES)]
         nbytes = cases[0][4]
-        ms = bench_run.plain_copy_ms(nbytes)
+        ms = run_other_ops.plain_copy_ms(nbytes)
         print(f"{name:5} plain copy of the same bytes  {ms:.4f} ms  bw {nbytes / (ms * 1e-3) / copy_bw:.3f}", flush=True)
         default = mod.default_config(N)
         for tpp in (2, 4, 8, 16, 32):
