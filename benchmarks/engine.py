@@ -6,7 +6,8 @@ A Llama-3-8B-shaped model with random bf16 weights (no download). Parts
 (issue 14, item 6):
 
 (a) ``step``: ms per decode step of the engine at B=1/16K and B=32/2K for
-    each KV scheme, with the roofline ``(weight bytes + KV bytes read) /
+    each KV scheme (the median of ``STEP_ROUNDS`` timed rounds, each kept in
+    ``ms_rounds``, after ``STEP_WARMUP`` untimed steps), with the roofline ``(weight bytes + KV bytes read) /
     copy bandwidth`` (bandwidth measured in this run), and HF ``generate``
     (dynamic cache; static cache + torch.compile unless --no-hf-static) at
     the same shapes.
@@ -37,6 +38,7 @@ import gc
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -53,6 +55,10 @@ LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, interm
                  rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                    original_max_position_embeddings=8192))
+
+STEP_WARMUP = 4
+"""Untimed decode steps before the step part's rounds (a graph's first replays upload it)."""
+STEP_ROUNDS = 3
 
 
 def log(msg: str) -> None:
@@ -99,26 +105,32 @@ def step_records(kvs, shapes, bw, steps, hf_static, async_scheduling=False, hf=T
     out = []
     for B, L in shapes:
         for kv in kvs:
-            eng = make_engine(kv, max_model_len=L + steps + 64, max_num_seqs=B, async_scheduling=async_scheduling)
+            total = STEP_WARMUP + STEP_ROUNDS * steps
+            eng = make_engine(kv, max_model_len=L + total + 64, max_num_seqs=B, async_scheduling=async_scheduling)
             rng = random.Random(0)
-            params = SamplingParams(temperature=0, max_tokens=steps + 32, ignore_eos=True)
+            params = SamplingParams(temperature=0, max_tokens=total + 32, ignore_eos=True)
             for _ in range(B):
                 eng.add_request(None, [rng.randrange(1000, 100000) for _ in range(L)], params)
-            # prefill everything (chunked), then one warm decode step
+            # prefill everything (chunked), then warm decode steps: each graph's first replays (which upload it)
+            # and whatever else a first step does once stay out of the timed rounds
             run_until(eng, lambda: all(s.num_computed >= len(s.tokens) - 1 for s in eng.scheduler.running)
                       and not eng.scheduler.waiting)
-            eng.step()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(steps):
+            for _ in range(STEP_WARMUP):
                 eng.step()
-            torch.cuda.synchronize()
-            ms = (time.perf_counter() - t) * 1e3 / steps
-            kv_bytes = B * (L + steps // 2) * eng.plan.kv_bytes_per_token
+            rounds = []
+            for _ in range(STEP_ROUNDS):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(steps):
+                    eng.step()
+                torch.cuda.synchronize()
+                rounds.append((time.perf_counter() - t) * 1e3 / steps)
+            ms = statistics.median(rounds)
+            kv_bytes = B * (L + STEP_WARMUP + STEP_ROUNDS * steps // 2) * eng.plan.kv_bytes_per_token
             roof = (weight_bytes(eng) + kv_bytes) / bw * 1e3
             # (no local name for the graphs: it would keep the engine's model and cache alive past release)
             choices = [c.describe() for c in getattr(getattr(eng.runner, "graphs", None), "gemv_choices", [])]
-            rec = dict(kind="step", engine="kvgen", kv=kv, B=B, context=L, ms=ms, roofline_ms=roof,
+            rec = dict(kind="step", engine="kvgen", kv=kv, B=B, context=L, ms=ms, ms_rounds=rounds, roofline_ms=roof,
                        vs_roofline=ms / roof, graph_steps=eng.runner.graph_steps, async_scheduling=async_scheduling,
                        async_steps=eng.num_async_steps, gemv=gemv.enabled(),
                        gemv_choices=choices)
