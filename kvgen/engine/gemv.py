@@ -12,7 +12,8 @@ layers' q/k/v, o, gate/up and down matrices, and the LM head) and each row
 count the decode graphs capture up to :data:`MAX_ROWS`, cuBLAS against each GEMV config in a
 CUDA graph cycling over the group's weights (each call finds its weights
 cold, as in a step), checks the winner against cuBLAS's output, and keeps
-the faster. Choices are per process and device, keyed by shape and dtype;
+the faster; where the graphs launch the GEMV with PDL, cuBLAS must be faster
+by :data:`PDL_CHAIN_MS`, what it costs the chain (:func:`prefers_gemv`). Choices are per process and device, keyed by shape and dtype;
 nothing else changes: larger batches, other devices, the CPU and the
 interpreter run ``nn.functional.linear``. ``KVGEN_GEMV=0`` turns the GEMV
 off (comparisons), as does a missing nvcc with no library built before.
@@ -45,6 +46,12 @@ MAX_ROWS = 4
 """The most rows of ``x`` the GEMV takes (the kernel is built for 1, 2 and up to 4)."""
 CONFIGS = ("1 row x 8 vectors", "2 rows x 4 vectors", "4 rows x 2 vectors", "1 row x 4 vectors")
 """The kernel's configs by index (weight rows per warp x 16-byte vectors per lane in flight; gemv.cu)."""
+PDL_CHAIN_MS = 0.004
+"""What a projection costs a PDL decode step beyond its own time when cuBLAS runs it rather than the GEMV: cuBLAS
+launches without the PDL attribute, so the chain drains before it and after it. The two are timed alone, one
+projection after another; in the step, Llama-3-8B's gate/up projection at batch 1 timed 56.2-56.6 us by GEMV and
+55.8-56.8 by cuBLAS, and the graphs running cuBLAS for it stepped 0.13-0.16 ms slower over its 32 layers, 4-5 us a
+layer (H200, benchmarks/results/2026-12-03-nvidia-h200-7, recapture_step)."""
 CHECK_REL_L2 = 1e-2
 """A GEMV result further than this from cuBLAS's (relative L2) is not used (a broken build, not rounding)."""
 _SWITCH = "KVGEN_GEMV"
@@ -163,6 +170,15 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def prefers_gemv(gemv_ms: float | None, cublas_ms: float, chained: bool) -> bool:
+    """Whether the GEMV runs a projection timed at ``gemv_ms`` against cuBLAS's ``cublas_ms``: it is faster, or,
+    in a PDL chain (``chained``: the decode graphs launch the GEMV with PDL), slower by less than
+    :data:`PDL_CHAIN_MS`, what running cuBLAS there costs the step besides its own time."""
+    if gemv_ms is None:
+        return False
+    return gemv_ms < cublas_ms + (PDL_CHAIN_MS if chained else 0.0)
+
+
 def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> list[Choice]:
     """Decide, per projection group of ``model`` and row count in ``rows`` (<= MAX_ROWS), GEMV or cuBLAS.
 
@@ -209,7 +225,7 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
                 ms = graph_time_ms(cycling(pairs, lambda wb, c=config: gemv(x, *wb, c)))
                 if best_ms is None or ms < best_ms:
                     best, best_ms = config, ms
-            use = best if best_ms is not None and best_ms < cublas_ms else None
+            use = best if prefers_gemv(best_ms, cublas_ms, pdl.enabled(x)) else None
             if use is not None:
                 _CHOICES[key] = use
             decided.append(Choice(name, m, tuple(w0.shape), cublas_ms, best_ms, use))

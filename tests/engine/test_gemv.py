@@ -27,6 +27,16 @@ def _fresh_choices():
     gemv.clear()
 
 
+def test_prefers_gemv_only_when_faster_or_within_the_pdl_chain_margin():
+    m = gemv.PDL_CHAIN_MS
+    assert gemv.prefers_gemv(0.050, 0.051, chained=False)
+    assert not gemv.prefers_gemv(0.0562, 0.0558, chained=False)  # cuBLAS faster alone, no chain to keep
+    assert gemv.prefers_gemv(0.0562, 0.0558, chained=True)  # the measured gate/up case: GEMV keeps the chain
+    assert gemv.prefers_gemv(0.050 + 0.9 * m, 0.050, chained=True)
+    assert not gemv.prefers_gemv(0.050 + 1.1 * m, 0.050, chained=True)  # slower by more than the chain costs
+    assert not gemv.prefers_gemv(None, 0.050, chained=True)  # no GEMV config passed its check
+
+
 @needs_nvcc
 def test_gemv_source_builds_for_sm_90a(tmp_path):
     lib = cuda_loader.build(gemv.SOURCE.read_text(), "sm_90a", root=tmp_path)
@@ -128,7 +138,8 @@ def test_choose_keeps_only_faster_checked_gemvs_and_linear_follows():
     assert {c.rows for c in choices} == {1, 2, 4}  # 3 runs as 4; 8 is past MAX_ROWS
     assert len(choices) == 5 * 3  # five groups at 1, 2 and 4 rows
     for c in choices:
-        assert c.cublas_ms > 0 and (c.config is None or c.gemv_ms < c.cublas_ms)
+        chained = gemv.pdl.enabled(torch.empty(0, device="cuda"))
+        assert c.cublas_ms > 0 and (c.config is not None) == gemv.prefers_gemv(c.gemv_ms, c.cublas_ms, chained)
     attn = net.model.layers[0].self_attn
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     qkv = next(c for c in choices if c.name == "qkv" and c.rows == 1)
