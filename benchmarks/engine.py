@@ -97,24 +97,33 @@ def run_until(engine, cond, max_steps=10**7) -> int:
     return n
 
 
+def filled_engine(kv: str, B: int, L: int, max_model_len: int, *, async_scheduling: bool = False):
+    """``make_engine`` with B sequences of L random tokens, prefilled (chunked) up to each one's last token: its
+    next ``step`` decodes them all, and they keep decoding (greedy, no EOS) up to ``max_model_len``."""
+    from kvgen.engine import SamplingParams
+
+    eng = make_engine(kv, max_model_len=max_model_len, max_num_seqs=B, async_scheduling=async_scheduling)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=max_model_len - L - 8, ignore_eos=True)
+    for _ in range(B):
+        eng.add_request(None, [rng.randrange(1000, 100000) for _ in range(L)], params)
+    run_until(eng, lambda: all(s.num_computed >= len(s.tokens) - 1 for s in eng.scheduler.running)
+              and not eng.scheduler.waiting)
+    return eng
+
+
 def step_records(kvs, shapes, bw, steps, hf_static, async_scheduling=False, hf=True) -> list[dict]:
     """kvgen's decode step per (shape, KV) and, with ``hf``, HF ``generate``'s (dynamic; static too with
     ``hf_static``) in the same process."""
-    from kvgen.engine import SamplingParams, gemv
+    from kvgen.engine import gemv
 
     out = []
     for B, L in shapes:
         for kv in kvs:
             total = STEP_WARMUP + STEP_ROUNDS * steps
-            eng = make_engine(kv, max_model_len=L + total + 64, max_num_seqs=B, async_scheduling=async_scheduling)
-            rng = random.Random(0)
-            params = SamplingParams(temperature=0, max_tokens=total + 32, ignore_eos=True)
-            for _ in range(B):
-                eng.add_request(None, [rng.randrange(1000, 100000) for _ in range(L)], params)
-            # prefill everything (chunked), then warm decode steps: each graph's first replays (which upload it)
-            # and whatever else a first step does once stay out of the timed rounds
-            run_until(eng, lambda: all(s.num_computed >= len(s.tokens) - 1 for s in eng.scheduler.running)
-                      and not eng.scheduler.waiting)
+            eng = filled_engine(kv, B, L, L + total + 64, async_scheduling=async_scheduling)
+            # warm decode steps: each graph's first replays (which upload it) and whatever else a first step
+            # does once stay out of the timed rounds
             for _ in range(STEP_WARMUP):
                 eng.step()
             rounds = []

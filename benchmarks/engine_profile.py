@@ -32,7 +32,6 @@ import argparse
 import collections
 import datetime
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import engine as bench_engine
-from benchmarks.engine import log, make_engine, release, run_until, weight_bytes
+from benchmarks.engine import filled_engine, log, release, weight_bytes
 from benchmarks.run import copy_bandwidth
 from kvgen.atomic import write_atomic
 
@@ -104,15 +103,7 @@ def top_kernels(per_kernel: dict[str, float], n: int = 25) -> list[dict]:
 
 
 def profile_case(kv: str, B: int, L: int, steps: int, bw: float, async_scheduling: bool = False) -> dict:
-    from kvgen.engine import SamplingParams
-
-    eng = make_engine(kv, max_model_len=L + 4 * steps + 64, max_num_seqs=B)
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=4 * steps + 32, ignore_eos=True)
-    for _ in range(B):
-        eng.add_request(None, [rng.randrange(1000, 100000) for _ in range(L)], params)
-    run_until(eng, lambda: all(s.num_computed >= len(s.tokens) - 1 for s in eng.scheduler.running)
-              and not eng.scheduler.waiting)
+    eng = filled_engine(kv, B, L, L + 4 * steps + 64)
     eng.step()
     graph_ms = timed_steps(eng, steps)
     graph_async_ms = None

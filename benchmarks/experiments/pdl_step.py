@@ -21,13 +21,12 @@ import datetime
 import gc
 import json
 import os
-import random
 import sys
 from pathlib import Path
 
 import torch
 
-from benchmarks.engine import log, make_engine, release, run_until, weight_bytes
+from benchmarks.engine import filled_engine, log, release, weight_bytes
 from benchmarks.engine_profile import timed_steps
 from benchmarks.run import copy_bandwidth
 from kvgen.atomic import write_atomic
@@ -46,15 +45,7 @@ def recapture(eng, max_batch: int, max_model_len: int, mode: str) -> None:
 
 def measure(kv: str, B: int, L: int, steps: int, rounds: int, bw: float) -> dict:
     max_len = L + (2 * rounds + 1) * (steps + 8) + 64
-    eng = make_engine(kv, max_model_len=max_len, max_num_seqs=B, async_scheduling=True)
-    from kvgen.engine import SamplingParams
-
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=max_len - L - 8, ignore_eos=True)
-    for _ in range(B):
-        eng.add_request(None, [rng.randrange(1000, 100000) for _ in range(L)], params)
-    run_until(eng, lambda: all(s.num_computed >= len(s.tokens) - 1 for s in eng.scheduler.running)
-              and not eng.scheduler.waiting)
+    eng = filled_engine(kv, B, L, max_len, async_scheduling=True)
     times: dict[str, list[float]] = {"0": [], "1": []}
     gemv_choices: dict[str, list[str]] = {}
     for _ in range(rounds):

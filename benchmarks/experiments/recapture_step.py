@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 
 import torch
 
-from benchmarks.engine import STEP_ROUNDS, STEP_WARMUP, log, make_engine, release, run_until
+from benchmarks.engine import STEP_ROUNDS, STEP_WARMUP, filled_engine, log, release
 from benchmarks.engine_profile import timed_steps
 from benchmarks.experiments.pdl_step import recapture
 from kvgen.atomic import write_atomic
@@ -46,15 +45,7 @@ def describe(eng, B: int, max_len: int) -> dict:
 def measure(kv: str, B: int, L: int, steps: int) -> dict:
     phases = 4
     max_len = L + phases * (STEP_WARMUP + STEP_ROUNDS * steps) + 64
-    eng = make_engine(kv, max_model_len=max_len, max_num_seqs=B, async_scheduling=True)
-    from kvgen.engine import SamplingParams
-
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=max_len - L - 8, ignore_eos=True)
-    for _ in range(B):
-        eng.add_request(None, [rng.randrange(1000, 100000) for _ in range(L)], params)
-    run_until(eng, lambda: all(s.num_computed >= len(s.tokens) - 1 for s in eng.scheduler.running)
-              and not eng.scheduler.waiting)
+    eng = filled_engine(kv, B, L, max_len, async_scheduling=True)
     out = {"kv": kv, "B": B, "context": L, "steps": steps, "phases": []}
     out["phases"].append({"graphs": "start", "ms": rounds(eng, steps), **describe(eng, B, max_len)})
     from kvgen.engine import gemv
