@@ -13,9 +13,10 @@ count the decode graphs capture up to :data:`MAX_ROWS`, cuBLAS against each GEMV
 CUDA graph cycling over the group's weights (each call finds its weights
 cold, as in a step), checks the winner against cuBLAS's output, and keeps
 the faster; where the graphs launch the GEMV with PDL, cuBLAS must be faster
-by :data:`PDL_CHAIN_MS`, what it costs the chain (:func:`prefers_gemv`). Choices are per process and device, keyed by shape and dtype;
-nothing else changes: larger batches, other devices, the CPU and the
-interpreter run ``nn.functional.linear``. ``KVGEN_GEMV=0`` turns the GEMV
+by :data:`PDL_CHAIN_MS`, what it costs the chain (:func:`prefers_gemv`).
+Choices are per process and device, keyed by shape and dtype; nothing else
+changes: larger batches, other devices, the CPU and the interpreter run
+``nn.functional.linear``. ``KVGEN_GEMV=0`` turns the GEMV
 off (comparisons), as does a missing nvcc with no library built before.
 
 The library is built by the runtime's CUDA loader (nvcc, the build cache,
