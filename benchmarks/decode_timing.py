@@ -34,51 +34,51 @@ def do_bench_ms(fn: Callable[[], object], rep_ms: int = 200) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
 
 
-class KernelTimer:
-    """Times one paged decode kernel on a case's pool: ``ms(cfg)`` by the primary timer, ``both(cfg)`` by each.
+class DecodeTimer:
+    """Times paged decode kernels on one case's pool, by the primary timer (``ms``) or by each (``both``).
 
-    ``launch(cfg, pools, block_tables)`` runs the kernel once; the graph timer passes the tables of
-    ``cold_page_tables`` (and the scratch pool they index, where the case's pool is too small to keep them
-    apart), ``do_bench`` the case's own."""
+    ``launch(cfg, pools, block_tables)`` runs a kernel once. The graph timer passes it the tables of
+    ``cold_page_tables`` (and the scratch pool they index, where the case's pool is too small to keep them apart),
+    made once here for every kernel timed on this case; ``do_bench`` passes the case's own."""
 
-    def __init__(self, launch, pools: dict[str, torch.Tensor], block_tables: torch.Tensor, compressed: int,
+    def __init__(self, pools: dict[str, torch.Tensor], block_tables: torch.Tensor, compressed: int,
                  timer: str = "graph"):
         if timer not in TIMERS:
             raise ValueError(f"timer {timer!r}: one of {TIMERS}")
-        self.launch, self.pools, self.block_tables, self.timer = launch, pools, block_tables, timer
+        self.pools, self.block_tables, self.timer = pools, block_tables, timer
         B, pages = block_tables.shape
         self.cold_pools, self.cold_tables = cold_page_tables(pools, B, pages, compressed)
 
-    def _graph(self, cfg) -> float:
-        return graph_time_ms(cycling(self.cold_tables, lambda bt: self.launch(cfg, self.cold_pools, bt)))
+    def cold_call(self, launch, cfg) -> Callable[[], object]:
+        """A call of ``launch`` at ``cfg`` that takes the cold tables in turn (``cycle`` set for graph_time_ms)."""
+        return cycling(self.cold_tables, lambda bt: launch(cfg, self.cold_pools, bt))
 
-    def _do_bench(self, cfg, rep_ms: int = 200) -> float:
-        return do_bench_ms(lambda: self.launch(cfg, self.pools, self.block_tables), rep_ms)
+    def _do_bench(self, launch, cfg, rep_ms: int = 200) -> float:
+        return do_bench_ms(lambda: launch(cfg, self.pools, self.block_tables), rep_ms)
 
-    def ms(self, cfg, quick: bool = False) -> float:
+    def ms(self, launch, cfg, quick: bool = False) -> float:
         """The primary timer's ms (``quick``: do_bench's shorter run, for ranking candidates)."""
-        return self._graph(cfg) if self.timer == "graph" else self._do_bench(cfg, 60 if quick else 200)
+        if self.timer == "graph":
+            return graph_time_ms(self.cold_call(launch, cfg))
+        return self._do_bench(launch, cfg, 60 if quick else 200)
 
-    def both(self, cfg) -> dict[str, float]:
-        return {"graph": self._graph(cfg), "do_bench": self._do_bench(cfg)}
+    def both(self, launch, cfg) -> dict[str, float]:
+        return {"graph": graph_time_ms(self.cold_call(launch, cfg)), "do_bench": self._do_bench(launch, cfg)}
 
 
-def sdpa_times(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, float]:
-    """Contiguous SDPA decode (``q`` [B, Hq, 1, D], ``k``/``v`` [B, Hkv, L, D]) by each timer; the graph timer
-    cycles through copies of K/V where one call reads less than ``COLD_FACTOR`` L2 caches."""
+def sdpa_times(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, timers=TIMERS) -> dict[str, float]:
+    """Contiguous SDPA decode (``q`` [B, Hq, 1, D], ``k``/``v`` [B, Hkv, L, D]) by each of ``timers``; the graph
+    timer cycles through copies of K/V where one call reads less than ``COLD_FACTOR`` L2 caches."""
     f = torch.nn.functional.scaled_dot_product_attention
-    copies = cold_copies(2 * k.numel() * k.element_size(), k.device)
-    kv = [(k, v)] + [(k.clone(), v.clone()) for _ in range(copies - 1)]
-    turn = [0]
-
-    def cold():
-        kk, vv = kv[turn[0] % len(kv)]
-        turn[0] += 1
-        return f(q, kk, vv, enable_gqa=True)
-    cold.cycle = len(kv)
-    graph = graph_time_ms(cold)
-    del kv
-    return {"graph": graph, "do_bench": do_bench_ms(lambda: f(q, k, v, enable_gqa=True))}
+    out = {}
+    if "graph" in timers:
+        copies = cold_copies(2 * k.numel() * k.element_size(), k.device)
+        kv = [(k, v)] + [(k.clone(), v.clone()) for _ in range(copies - 1)]
+        out["graph"] = graph_time_ms(cycling(kv, lambda pair: f(q, *pair, enable_gqa=True)))
+        del kv
+    if "do_bench" in timers:
+        out["do_bench"] = do_bench_ms(lambda: f(q, k, v, enable_gqa=True))
+    return out
 
 
-__all__ = ["KernelTimer", "TIMERS", "do_bench_ms", "sdpa_times"]
+__all__ = ["DecodeTimer", "TIMERS", "do_bench_ms", "sdpa_times"]

@@ -112,6 +112,24 @@ def filled_engine(kv: str, B: int, L: int, max_model_len: int, *, async_scheduli
     return eng
 
 
+def timed_steps(eng, steps: int) -> float:
+    """Wall ms per engine step over ``steps`` steps, the GPU drained before and after."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3 / steps
+
+
+def step_rounds(eng, steps: int) -> list[float]:
+    """``STEP_WARMUP`` untimed steps (each graph's first replays, which upload it, and whatever else a first step
+    does once), then ``STEP_ROUNDS`` rounds of :func:`timed_steps`."""
+    for _ in range(STEP_WARMUP):
+        eng.step()
+    return [timed_steps(eng, steps) for _ in range(STEP_ROUNDS)]
+
+
 def step_records(kvs, shapes, bw, steps, hf_static, async_scheduling=False, hf=True) -> list[dict]:
     """kvgen's decode step per (shape, KV) and, with ``hf``, HF ``generate``'s (dynamic; static too with
     ``hf_static``) in the same process."""
@@ -122,18 +140,7 @@ def step_records(kvs, shapes, bw, steps, hf_static, async_scheduling=False, hf=T
         for kv in kvs:
             total = STEP_WARMUP + STEP_ROUNDS * steps
             eng = filled_engine(kv, B, L, L + total + 64, async_scheduling=async_scheduling)
-            # warm decode steps: each graph's first replays (which upload it) and whatever else a first step
-            # does once stay out of the timed rounds
-            for _ in range(STEP_WARMUP):
-                eng.step()
-            rounds = []
-            for _ in range(STEP_ROUNDS):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(steps):
-                    eng.step()
-                torch.cuda.synchronize()
-                rounds.append((time.perf_counter() - t) * 1e3 / steps)
+            rounds = step_rounds(eng, steps)
             ms = statistics.median(rounds)
             kv_bytes = B * (L + STEP_WARMUP + STEP_ROUNDS * steps // 2) * eng.plan.kv_bytes_per_token
             roof = (weight_bytes(eng) + kv_bytes) / bw * 1e3

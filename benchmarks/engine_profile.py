@@ -33,13 +33,12 @@ import collections
 import datetime
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks import engine as bench_engine
-from benchmarks.engine import filled_engine, log, release, weight_bytes
+from benchmarks.engine import filled_engine, log, release, timed_steps, weight_bytes
 from benchmarks.run import copy_bandwidth
 from kvgen.atomic import write_atomic
 
@@ -60,15 +59,6 @@ def group_of(name: str) -> str:
         if any(k in low for k in keys):
             return group
     return "other"
-
-
-def timed_steps(eng, steps: int) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) * 1e3 / steps
 
 
 def profiled_kernels(eng, steps: int) -> dict[str, float]:

@@ -151,13 +151,13 @@ class DecodeCase:
 
 def sdpa_decode_ms(case: DecodeCase, timer: str = "do_bench") -> float:
     """Contiguous SDPA over the case's unquantized K/V, by ``timer`` (benchmarks.decode_timing)."""
-    return sdpa_decode_times(case)[timer]
+    return sdpa_decode_times(case, (timer,))[timer]
 
 
-def sdpa_decode_times(case: DecodeCase) -> dict[str, float]:
+def sdpa_decode_times(case: DecodeCase, timers=("graph", "do_bench")) -> dict[str, float]:
     from benchmarks.decode_timing import sdpa_times
 
-    return sdpa_times(case.q.view(case.B, case.Hq, 1, case.D), case.k_raw, case.v_raw)
+    return sdpa_times(case.q.view(case.B, case.Hq, 1, case.D), case.k_raw, case.v_raw, timers)
 
 
 def kernel_spec(op, scheme_name, Hkv, G, D, dtype="bfloat16", backend="triton"):
@@ -201,8 +201,8 @@ def runtime_choice(tuner, name, shapes, Hq, Hkv, D):
     of them, as one package serves every shape. Timed here on each shape's
     DecodeCase (one at a time). Returns ``(BackendChoice, {backend: module})``.
     """
+    from benchmarks.decode_timing import DecodeTimer
     from kvgen.runtime.backend_choice import choose
-    from kvgen.runtime.kernel_timer import cold_page_tables, cycling
 
     G, sm = Hq // Hkv, 1 / math.sqrt(D)
     modules = {}
@@ -217,12 +217,13 @@ def runtime_choice(tuner, name, shapes, Hq, Hkv, D):
             torch.cuda.empty_cache()
             case = DecodeCase(scheme, B, L, Hq, Hkv, D)
             # timed cold, as the runtime's own bench does (kernel_timer.cold_page_tables)
-            pools, tables = cold_page_tables(case.pools, B, case.block_tables.shape[1], int(case.num_compressed[0]))
-            memo.update(shape=(B, L), case=case, out=torch.empty_like(case.q), pools=pools, tables=tables)
-        case, out, pools, tables = memo["case"], memo["out"], memo["pools"], memo["tables"]
+            memo.update(shape=(B, L), case=case, out=torch.empty_like(case.q),
+                        timer=DecodeTimer(case.pools, case.block_tables, int(case.num_compressed[0])))
+        case, out, dt = memo["case"], memo["out"], memo["timer"]
 
-        return lambda cfg: cycling(tables, lambda bt: mod.launch(case.q, out, pools, bt, case.seq_lens,
-                                                                 case.num_compressed, sm, cfg))
+        def launch(cfg, pools, tables):
+            mod.launch(case.q, out, pools, tables, case.seq_lens, case.num_compressed, sm, cfg)
+        return lambda cfg: dt.cold_call(launch, cfg)
 
     choice = choose(tuner, "decode", {be: (m, None) for be, m in modules.items()}, make_bench,
                     [(B, L) for B, L, *_ in shapes], explicit=True, release=memo.clear)
@@ -231,19 +232,20 @@ def runtime_choice(tuner, name, shapes, Hq, Hkv, D):
     return choice, modules
 
 
-def best_config(mod, run, batch, length, timer=None):
-    """Time every tuning candidate; return (best ms, best config, per-candidate times). ``timer``: a
-    benchmarks.decode_timing.KernelTimer (its primary timer); default do_bench of ``run(cfg)``."""
+def best_config(mod, run, batch, length, rank=None):
+    """Time every tuning candidate; return (best ms, best config, per-candidate times). ``rank(cfg)``: ms to rank
+    a candidate by; the best's own is returned, as the caller times the winner itself. Default: do_bench of
+    ``run(cfg)``, a short run for ranking and a longer one for the best."""
     results = []
     for cfg in mod.candidates(batch, length):
         try:
-            results.append((timer.ms(cfg, quick=True) if timer else bench(lambda: run(cfg), rep_ms=60), cfg))
+            results.append((rank(cfg) if rank else bench(lambda: run(cfg), rep_ms=60), cfg))
         except Exception as exc:  # a candidate that does not compile (registers, smem) is skipped
             print(f"    candidate {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
     if not results:
         raise RuntimeError("no tuning candidate ran")
     ms, cfg = min(results, key=lambda r: r[0])
-    return (timer.ms(cfg) if timer else bench(lambda: run(cfg))), cfg, results
+    return (ms if rank else bench(lambda: run(cfg))), cfg, results
 
 
 def decode_records(schemes, shapes, copy_bw, log, backend="triton", timer="graph"):
@@ -252,7 +254,7 @@ def decode_records(schemes, shapes, copy_bw, log, backend="triton", timer="graph
     (:func:`runtime_choice`, recorded as ``backend`` with ``backend_why``) at the config its autotuner gives.
     ``ms`` and the ratios are by ``timer`` (benchmarks.decode_timing: ``graph``, cold from a CUDA graph, or
     ``do_bench``); ``ms_graph``/``ms_do_bench`` and ``ratio_to_*_do_bench`` keep both."""
-    from benchmarks.decode_timing import KernelTimer
+    from benchmarks.decode_timing import DecodeTimer
 
     records = []
     bf16_ms = {}
@@ -270,7 +272,7 @@ def decode_records(schemes, shapes, copy_bw, log, backend="triton", timer="graph
         sdpa = None
         for name in schemes:
             case = None
-            best = None  # (ms, config, backend, run)
+            best = None  # (ms by each timer, config, backend, run, launch)
             backends = decode_backends(name, Hkv, Hq // Hkv, D, backend)
             if not backends:
                 print(f"decode {name}: no {backend} kernel for this scheme; skipped", file=sys.stderr)
@@ -288,6 +290,7 @@ def decode_records(schemes, shapes, copy_bw, log, backend="triton", timer="graph
                 if case is None:
                     case = DecodeCase(scheme, B, L, Hq, Hkv, D)
                     out = torch.empty_like(case.q)
+                    dt = DecodeTimer(case.pools, case.block_tables, int(case.num_compressed[0]), timer)
                 if sdpa is None:
                     sdpa = sdpa_decode_times(case)
 
@@ -297,16 +300,14 @@ def decode_records(schemes, shapes, copy_bw, log, backend="triton", timer="graph
                 def run(cfg, launch=launch):
                     launch(cfg, case.pools, case.block_tables)
 
-                kt = KernelTimer(launch, case.pools, case.block_tables, int(case.num_compressed[0]), timer)
                 if chosen is not None:  # the user's path: the runtime's kernel at its autotuner's config
                     cfg = tuner.config("decode", modules[be], (B, L), lambda c, run=run: (lambda: run(c)))
-                    ms = kt.ms(cfg)
                 else:
-                    ms, cfg, _ = best_config(mod, run, B, L, kt)
-                if best is None or ms < best[0]:
-                    best = (ms, cfg, be, run, kt)
-            _, cfg, be, run, kt = best
-            times = kt.both(cfg)  # the winner timed again by each timer, one after the other
+                    _, cfg, _ = best_config(mod, run, B, L, lambda c, launch=launch: dt.ms(launch, c, quick=True))
+                times = dt.both(launch, cfg)  # each backend's pick by each timer, one after the other
+                if best is None or times[timer] < best[0][timer]:
+                    best = (times, cfg, be, run)
+            times, cfg, be, run = best
             ms = times[timer]
             out.fill_(float("nan"))  # the winner's own output is checked, not a loser's
             run(cfg)

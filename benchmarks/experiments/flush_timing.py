@@ -19,9 +19,9 @@ SDPA are timed four ways in one process:
 - ``do_bench``: ``triton.testing.do_bench`` (zero flush; ``benchmarks.run``'s timing until now);
 - ``read_flush``: the same loop with the flush a 256 MB *read* (L2 left clean);
 - ``no_flush``: the same loop without a flush (warm where the data fits L2);
-- ``graph_cold``: ``kvgen.runtime.kernel_timer.graph_time_ms`` over
-  ``cold_page_tables`` (the autotuner's timer: back-to-back calls from a CUDA
-  graph, each finding its pages cold, as in a captured engine step).
+- ``graph_cold``: ``benchmarks.decode_timing``'s graph timer (the autotuner's:
+  back-to-back calls from a CUDA graph over ``cold_page_tables``, each finding
+  its pages cold, as in a captured engine step).
 
 If the flush hypothesis holds, ``do_bench - read_flush`` is about the same
 number of microseconds for every kernel, and ``read_flush`` is close to
@@ -38,7 +38,8 @@ import sys
 import torch
 
 from benchmarks import run as bench_run
-from kvgen.runtime.kernel_timer import cold_page_tables, cycling, graph_time_ms
+from benchmarks.decode_timing import DecodeTimer
+from kvgen.runtime.kernel_timer import graph_time_ms
 
 FLUSH_BYTES = 256 * 2**20
 REPS = 100
@@ -85,18 +86,15 @@ def main() -> int:
             mod, scheme = bench_run.kernel_module("decode", name, Hkv, Hq // Hkv, D, backend=be[0])
             case = bench_run.DecodeCase(scheme, B, L, Hq, Hkv, D)
             out = torch.empty_like(case.q)
-            pools, tables = cold_page_tables(case.pools, B, case.block_tables.shape[1], int(case.num_compressed[0]))
+            dt = DecodeTimer(case.pools, case.block_tables, int(case.num_compressed[0]))
 
-            def run(cfg, bt=None):
-                mod.launch(case.q, out, pools if bt is not None else case.pools,
-                           case.block_tables if bt is None else bt, case.seq_lens, case.num_compressed, sm, cfg)
-
-            def cold(cfg):
-                return cycling(tables, lambda bt: run(cfg, bt))
+            def launch(cfg, pools, tables):
+                mod.launch(case.q, out, pools, tables, case.seq_lens, case.num_compressed, sm, cfg)
 
             cfg = mod.default_config(B, L, device="cuda")  # one config shows the timers apart
             rec = dict(B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, kernel=f"kvgen {name}", backend=be[0], config=cfg,
-                       bytes=case.bytes, **four_ways(lambda: run(cfg), cold(cfg), buf, sink))
+                       bytes=case.bytes, **four_ways(lambda: launch(cfg, case.pools, case.block_tables),
+                                                     dt.cold_call(launch, cfg), buf, sink))
             records.append(rec)
             print(json.dumps(rec), flush=True)
             if name == args.schemes.split(",")[0]:
@@ -107,7 +105,7 @@ def main() -> int:
                            **four_ways(call, call, buf, sink))
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
-            del case, pools, tables
+            del case, dt
             torch.cuda.empty_cache()
     print(f"{'kernel':<12}{'shape':<18}" + "".join(f"{k:>12}" for k in ("do_bench", "read_flush", "no_flush",
                                                                          "graph_cold", "zero-read us")))

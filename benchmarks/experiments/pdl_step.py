@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine import filled_engine, log, release, weight_bytes
-from benchmarks.engine_profile import timed_steps
+from benchmarks.engine import filled_engine, log, release, timed_steps, weight_bytes
 from benchmarks.run import copy_bandwidth
 from kvgen.atomic import write_atomic
 

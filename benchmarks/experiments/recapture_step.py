@@ -23,19 +23,12 @@ import sys
 
 import torch
 
-from benchmarks.engine import STEP_ROUNDS, STEP_WARMUP, filled_engine, log, release
-from benchmarks.engine_profile import timed_steps
+from benchmarks.engine import STEP_ROUNDS, STEP_WARMUP, filled_engine, log, release, step_rounds
 from benchmarks.experiments.pdl_step import recapture
 from kvgen.atomic import write_atomic
 
 
-def rounds(eng, steps: int) -> list[float]:
-    for _ in range(STEP_WARMUP):
-        eng.step()
-    return [timed_steps(eng, steps) for _ in range(STEP_ROUNDS)]
-
-
-def describe(eng, B: int, max_len: int) -> dict:
+def describe(eng, B: int) -> dict:
     graphs = eng.runner.graphs
     pick = getattr(eng.cache, "kernel_config", None)
     cfg = pick("decode", (B, graphs.max_pages * eng.cache.page_size)) if pick else None
@@ -47,13 +40,13 @@ def measure(kv: str, B: int, L: int, steps: int) -> dict:
     max_len = L + phases * (STEP_WARMUP + STEP_ROUNDS * steps) + 64
     eng = filled_engine(kv, B, L, max_len, async_scheduling=True)
     out = {"kv": kv, "B": B, "context": L, "steps": steps, "phases": []}
-    out["phases"].append({"graphs": "start", "ms": rounds(eng, steps), **describe(eng, B, max_len)})
+    out["phases"].append({"graphs": "start", "ms": step_rounds(eng, steps), **describe(eng, B)})
     from kvgen.engine import gemv
 
     kept, kept_map = eng.runner.graphs.gemv_choices, dict(gemv._CHOICES)  # what the start graphs run
     for i in range(2):
         recapture(eng, B, max_len, "1")
-        out["phases"].append({"graphs": f"recaptured {i + 1}", "ms": rounds(eng, steps), **describe(eng, B, max_len)})
+        out["phases"].append({"graphs": f"recaptured {i + 1}", "ms": step_rounds(eng, steps), **describe(eng, B)})
     # the start graphs' GEMV choice restored: recapture without re-timing it
     real_choose = gemv.choose
 
@@ -66,7 +59,7 @@ def measure(kv: str, B: int, L: int, steps: int) -> dict:
         recapture(eng, B, max_len, "1")
     finally:
         gemv.choose = real_choose
-    out["phases"].append({"graphs": "recaptured, start GEMV choice", "ms": rounds(eng, steps), **describe(eng, B, max_len)})
+    out["phases"].append({"graphs": "recaptured, start GEMV choice", "ms": step_rounds(eng, steps), **describe(eng, B)})
     for p in out["phases"]:
         log(f"kv={kv} B={B} L={L} {p['graphs']}: {' '.join(f'{x:.3f}' for x in p['ms'])} ms a step")
     holder = [eng]
