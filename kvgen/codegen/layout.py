@@ -58,6 +58,12 @@ class LayoutContext:
     macro_template: str
     params: dict[str, Any]
 
+    @property
+    def head_dim_align(self) -> int:
+        """The largest power of two dividing head_dim: every token's first element in a row-major [PAGE, head_dim]
+        page lies at a multiple of it (the float reader's ``tl.multiple_of`` hint)."""
+        return self.head_dim & -self.head_dim
+
     def ptr_args(self) -> str:
         """Kernel parameters for this pool's tensors, comma-joined."""
         return ", ".join(self.t[n].ptr for n in self.tensor_order)
