@@ -27,9 +27,20 @@ INTERPRET = triton_interpret()
 @triton.jit
 def _pdl_wait(PDL: tl.constexpr):
     """A kernel launched with PDL (:mod:`kvgen.engine.pdl`): wait for the previous kernel's completion and writes
-    (every kernel here reads step data from its first load on; the next kernel starts as this one's programs exit)."""
+    (every kernel here reads step data from its first load on); the next kernel launches as this one's programs
+    exit."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    """A kernel launched with PDL (:mod:`kvgen.engine.pdl`): wait for the previous kernel's completion and writes
+    (every kernel here reads step data from its first load on), then let the next kernel's blocks launch: they
+    wait in turn for this one, so only their launch overlaps this short kernel's work."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_tokens"])
@@ -96,7 +107,7 @@ def add_rms_norm_kernel(x_ptr, res_ptr, out_ptr, w_ptr, n_rows, N, stride_x, str
 
     ``out`` may be ``x`` itself: each program reads its rows before writing them.
     """
-    _pdl_wait(PDL)
+    _pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
@@ -118,7 +129,7 @@ def add_rms_norm_kernel(x_ptr, res_ptr, out_ptr, w_ptr, n_rows, N, stride_x, str
 def silu_mul_kernel(gu_ptr, out_ptr, n_rows, inter, stride_gu, stride_o,
                     BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, PDL: tl.constexpr = False):
     """``out = silu(gate) * up`` where ``gu`` rows are ``[gate (inter) | up (inter)]``."""
-    _pdl_wait(PDL)
+    _pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < n_rows)[:, None] & (cols < inter)[None, :]

@@ -10,9 +10,11 @@
 // keeps ROWS * UNROLL * 512 bytes of loads outstanding and one wave of warps covers a 4096 x 4096 matrix. The
 // weights are read once (L1 no-allocate); x is small and stays cached. float32 accumulation, one rounding.
 // With pdl (every launch on Hopper unless KVGEN_PDL=0: kvgen/engine/pdl.py) a warp waits for the kernel that
-// writes x before its loop, and the next kernel may start once the loop is done: a launch and the previous
-// kernel's tail overlap. (Issuing the first weight loads before the wait bought nothing: ptxas, nvcc 13 sm_90a,
-// scheduled the wait ahead of them all the same; offline SASS, 2026-12-03.)
+// writes x inside its first chunk, between that chunk's weight loads and its x loads, and the next kernel may
+// start once the loop is done: a launch and the previous kernel's tail overlap. ptxas (nvcc 13, sm_90a) schedules
+// the wait ahead of those weight loads all the same, but the peeled first chunk is what lets it pipeline the loop
+// after it: a wait before a plain loop (ef7acc6) made the batch-1 projections of Llama-3-8B 1-7% slower on an
+// H200 (q/k/v 13.9 -> 14.6 us, o 9.7 -> 10.4, down 29.3 -> 30.9; benchmarks/results/2026-12-04-nvidia-h200).
 //
 // Contract (checked by the caller): K % 8 == 0; x, w, bias, out 16-byte aligned (x and out rows too: the row
 // strides are multiples of 8 elements); w row-major [N, K] (unit stride in k); 1 <= m <= M_MAX.
@@ -50,8 +52,9 @@ __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
 
-// Programmatic dependent launch (kvgen/engine/pdl.py): let the next kernel's blocks start; wait for the previous
-// kernel's completion and writes. Both are no-ops in a launch without the attribute (and before Hopper).
+// Programmatic dependent launch (kvgen/engine/pdl.py): let the next kernel's blocks start (after the weight loop);
+// wait for the previous kernel's completion and writes (in the first chunk). Both are no-ops in a launch without
+// the attribute (and before Hopper).
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -85,7 +88,7 @@ __device__ __forceinline__ uint4 load_coherent(const uint4* p) {
 // rows of x (lane's vector idx0 + 32 u), all loaded before the first use, then multiplied into acc. CHECKED: the
 // chunk may run past k (the tail); those vectors read as zeros and add nothing. (nvcc writes every load first in
 // PTX; ptxas then interleaves them with the FMAs, two vectors per lane in flight: measured, 2026-12-03.)
-template <typename T, int M_MAX, int ROWS, int UNROLL, bool CHECKED>
+template <typename T, int M_MAX, int ROWS, int UNROLL, bool CHECKED, bool FIRST = false>
 __device__ __forceinline__ void chunk(float (&acc)[M_MAX][ROWS], const uint4* const (&wv)[ROWS], const T* x, int m,
                                       long long x_stride, int idx0, int k8) {
   uint4 wreg[ROWS][UNROLL], xreg[M_MAX][UNROLL];
@@ -96,6 +99,13 @@ __device__ __forceinline__ void chunk(float (&acc)[M_MAX][ROWS], const uint4* co
     const bool in = !CHECKED || idx < k8;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) wreg[r][u] = in ? load_stream(wv[r] + idx) : make_uint4(0, 0, 0, 0);
+  }
+  // the first chunk waits for the kernel before (PDL) between its weights and its x: x is that kernel's output
+  if constexpr (FIRST) pdl_wait();
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    const int idx = idx0 + u * 32;
+    const bool in = !CHECKED || idx < k8;
 #pragma unroll
     for (int i = 0; i < M_MAX; ++i)
       xreg[i][u] = in && i < m ? load_coherent(reinterpret_cast<const uint4*>(x + i * x_stride) + idx)
@@ -141,13 +151,17 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const T* __restrict__ 
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[i][r] = 0.f;
 
-  // Whole chunks without bounds checks (their loads are free to issue together), then a checked tail; x is the
-  // kernel before's output (PDL: wait for it first).
-  pdl_wait();
+  // Whole chunks without bounds checks (their loads are free to issue together), then a checked tail; the
+  // first chunk, whichever it is, is peeled: it holds the wait for the kernel before (PDL).
   int base = 0;
-  for (; base + 32 * UNROLL <= k8; base += 32 * UNROLL)
-    chunk<T, M_MAX, ROWS, UNROLL, false>(acc, wv, x, m, x_stride, base + lane, k8);
-  if (base < k8) chunk<T, M_MAX, ROWS, UNROLL, true>(acc, wv, x, m, x_stride, base + lane, k8);
+  if (32 * UNROLL <= k8) {
+    chunk<T, M_MAX, ROWS, UNROLL, false, true>(acc, wv, x, m, x_stride, lane, k8);
+    for (base = 32 * UNROLL; base + 32 * UNROLL <= k8; base += 32 * UNROLL)
+      chunk<T, M_MAX, ROWS, UNROLL, false>(acc, wv, x, m, x_stride, base + lane, k8);
+    if (base < k8) chunk<T, M_MAX, ROWS, UNROLL, true>(acc, wv, x, m, x_stride, base + lane, k8);
+  } else {
+    chunk<T, M_MAX, ROWS, UNROLL, true, true>(acc, wv, x, m, x_stride, lane, k8);
+  }
   pdl_trigger();  // the weights are read: the next kernel's blocks may start
 #pragma unroll
   for (int i = 0; i < M_MAX; ++i) {

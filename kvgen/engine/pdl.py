@@ -10,17 +10,30 @@ flush before it reads anything a predecessor wrote or writes anything at
 all. kvgen's PDL kernels keep one contract, so that any chain of them is
 equivalent to plain stream order:
 
-- every one of them waits before its first load: what overlaps is each
-  launch and the previous kernel's tail. (A GEMV that issued its first
-  weight loads before the wait compiled to the same order: ptxas put the
-  wait first; offline SASS, nvcc 13.);
-- only the GEMV signals ``griddepcontrol.launch_dependents``, after its
-  weight loop; every other kernel signals implicitly as its blocks exit.
-  Signalling at every kernel's start was measured worse for bf16: a chain
-  of kernels then launched ahead and sat waiting on the SMs during the
-  attention kernel (B=1, 16K context on an H200: bf16 KV +5% a step, int4
-  -3.5%; signalling late: -2.4% for both,
-  benchmarks/results/2026-12-03-nvidia-h200-6).
+- every one of them waits before its first x/step-data load: what
+  overlaps is each launch and the previous kernel's tail (the GEMV issues
+  its first chunk's weight loads around the wait; ptxas orders the wait
+  first, but that peeled chunk is what lets it pipeline the loop: gemv.cu);
+- who signals ``griddepcontrol.launch_dependents``, and when:
+  - the GEMV, after its weight loop;
+  - the two short kernels whose next kernel is a projection, the fused
+    residual-add + RMSNorm and SiLU * up, right after their wait: the
+    projection's blocks launch during their few microseconds and wait
+    there for their output;
+  - every other kernel implicitly, as its blocks exit.
+
+  Measured on an H200 (Llama-3-8B shapes, ``benchmarks.engine``'s steps,
+  benchmarks/results/2026-12-04-nvidia-h200): the early signal of the norm
+  and SiLU kernels, with the peeled GEMV, took B=1 at 16K from 1.210x to
+  1.153-1.168x of the roofline (int4 KV) and 1.139x to 1.093-1.096x
+  (bf16), with B=32 at 2K unchanged (cuBLAS runs its projections; a kernel
+  without the attribute ignores the signal). Signalling early in the
+  attention path too (q/k/v RoPE, cache write, page quantize: the decode
+  kernel's blocks then launch and wait during them) bought B=1 another
+  0.5% but cost int4 at B=32 3.5%. Signalling at every kernel's start,
+  the decode kernel's included, had cost bf16 5% at B=1: the o
+  projection's blocks launched and sat on the SMs during attention
+  (benchmarks/results/2026-12-03-nvidia-h200-6).
 
 A kernel without the attribute keeps its full dependency whatever the one
 before it signals, so PDL kernels mix freely with cuBLAS and torch's own.
