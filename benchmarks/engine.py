@@ -316,6 +316,14 @@ def plot(records, path):
     fig.savefig(path, dpi=120)
 
 
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"32x2048"`` -> ``(32, 2048)``: batch x context."""
+    b, _, l = text.strip().partition("x")
+    if not (b.isdigit() and l.isdigit()) or int(b) < 1 or int(l) < 1:
+        raise SystemExit(f"a step shape is BxL with positive integers (e.g. 32x2048), got {text!r}")
+    return int(b), int(l)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small shapes and counts (minutes)")
@@ -339,6 +347,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv-ab", action="store_true",
                     help="step part: time every kvgen step with the small-batch GEMV off (KVGEN_GEMV=0, cuBLAS "
                          "everywhere) and then on, in this process (records with gemv false/true)")
+    ap.add_argument("--step-shapes", default=None,
+                    help="step part: BxL shapes to time instead of the issue's 1x16384,32x2048 (e.g. 1x16384)")
     ap.add_argument("--kernel-backend", default=DEFAULT_ENGINE_BACKEND, choices=ENGINE_BACKENDS,
                     help="the kvgen engines' kernels (cuda: the CUDA decode kernel where the scheme has one)")
     ap.add_argument("--autotune", choices=("cached", "sync"), default=None,
@@ -382,6 +392,8 @@ def main(argv=None) -> int:
 
     if "step" in parts:
         shapes = [(1, 4096), (8, 1024)] if q else [(1, 16384), (32, 2048)]
+        if args.step_shapes:
+            shapes = [parse_shape(s) for s in args.step_shapes.split(",")]
         n = 16 if q else 64
         if not args.async_only:
             attempt(step_records, kvs, shapes, bw, n, not (q or args.no_hf_static or args.no_hf), hf=not args.no_hf)

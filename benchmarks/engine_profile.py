@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import engine as bench_engine
-from benchmarks.engine import filled_engine, log, release, timed_steps, weight_bytes
+from benchmarks.engine import filled_engine, log, parse_shape, release, timed_steps, weight_bytes
 from benchmarks.run import copy_bandwidth
 from kvgen.atomic import write_atomic
 
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes.split(","):
-        B, L = (int(x) for x in shape.split("x"))
+        B, L = parse_shape(shape)
         for kv in args.kv.split(","):
             try:
                 rec = profile_case(kv, B, L, args.steps, bw, args.async_scheduling)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine import filled_engine, log, release, timed_steps, weight_bytes
+from benchmarks.engine import filled_engine, log, parse_shape, release, timed_steps, weight_bytes
 from benchmarks.run import copy_bandwidth
 from kvgen.atomic import write_atomic
 
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     import triton
 
     bw = copy_bandwidth()
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    shapes = [parse_shape(s) for s in a.shapes.split(",")]
     records = [measure(kv, B, L, a.steps, a.rounds, bw) for B, L in shapes for kv in a.kv.split(",")]
     doc = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                copy_bandwidth=bw, date=datetime.date.today().isoformat(), records=records)

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from benchmarks.engine import STEP_ROUNDS, STEP_WARMUP, filled_engine, log, release, step_rounds
+from benchmarks.engine import STEP_ROUNDS, STEP_WARMUP, filled_engine, log, parse_shape, release, step_rounds
 from benchmarks.experiments.pdl_step import recapture
 from kvgen.atomic import write_atomic
 
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("recapture_step: needs a CUDA GPU", file=sys.stderr)
         return 2
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    shapes = [parse_shape(s) for s in a.shapes.split(",")]
     records = [measure(kv, B, L, a.steps) for B, L in shapes for kv in a.kv.split(",")]
     write_atomic(a.out, json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                     "records": records}, indent=1, default=str) + "\n")
