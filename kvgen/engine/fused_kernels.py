@@ -38,8 +38,8 @@ def _pdl_start(PDL: tl.constexpr):
     """A kernel launched with PDL (:mod:`kvgen.engine.pdl`): wait for the previous kernel's completion and writes
     (every kernel here reads step data from its first load on), then let the next kernel's blocks launch: they
     wait in turn for this one, so only their launch overlaps this short kernel's work."""
+    _pdl_wait(PDL)
     if PDL:
-        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
 
