@@ -21,6 +21,7 @@ import json
 import math
 import os
 import stat
+import subprocess
 import threading
 from pathlib import Path
 
@@ -81,6 +82,34 @@ def test_cuda_template_builds_for_sm_90a(spec, tmp_path):
     assert loaded.kvgen_abi_version() == cuda_backend.ABI_VERSION
     assert hasattr(loaded, "kvgen_decode")
     assert not [p for p in (tmp_path / "cuda").iterdir() if p != lib], "no temporary files are left behind"
+
+
+def _ptx_function(ptx: str, name: str) -> str:
+    """The body of the PTX entry whose mangled name contains ``name`` (the first, for a template's instances)."""
+    entries = [i for i in range(len(ptx)) if ptx.startswith(".entry ", i)]
+    start = next(i for i in entries if name in ptx[i:ptx.find("(", i)])
+    end = next((i for i in entries if i > start), len(ptx))
+    return ptx[start:end]
+
+
+@needs_nvcc
+def test_pdl_signals_where_the_decode_design_says(tmp_path):
+    """PDL order in the CUDA decode's PTX (the GPU test of PDL graphs runs only on the device): the decode kernel
+    waits before anything else, and lets its dependents (a split launch's reduce kernel) launch only after it has
+    issued every tile copy, before the warps' merge; the reduce kernel signals right after its wait, before its
+    first load. Each dependent still waits for the whole grid in its own griddepcontrol.wait."""
+    cu = tmp_path / "decode.cu"
+    cu.write_text(_sources(_spec())[".cu"])
+    ptx_path = tmp_path / "decode.ptx"
+    subprocess.run([NVCC, "-std=c++17", "-arch=sm_90a", "-ptx", "-o", str(ptx_path), str(cu)], check=True,
+                   capture_output=True, timeout=600)
+    ptx = ptx_path.read_text()
+    dec = _ptx_function(ptx, "decode_kernel")
+    wait, signal = dec.find("griddepcontrol.wait"), dec.find("griddepcontrol.launch_dependents")
+    assert 0 <= wait < dec.find("cp.async") and dec.count("griddepcontrol.launch_dependents") == 1
+    assert dec.rfind("cp.async.cg.shared.global") < signal < dec.find("cp.async.wait_group 0")
+    red = _ptx_function(ptx, "reduce_kernel")
+    assert 0 <= red.find("griddepcontrol.wait") < red.find("griddepcontrol.launch_dependents") < red.find("ld.global")
 
 
 @needs_nvcc

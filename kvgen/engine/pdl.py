@@ -20,6 +20,10 @@ equivalent to plain stream order:
     residual-add + RMSNorm and SiLU * up, right after their wait: the
     projection's blocks launch during their few microseconds and wait
     there for their output;
+  - the CUDA decode, when split, after its tile loops (its reduce kernel
+    launches during the warps' merge), and that reduce kernel right after
+    its wait (the o projection launches during it):
+    templates/cuda/decode.cu.j2;
   - every other kernel implicitly, as its blocks exit.
 
   Measured on an H200 (Llama-3-8B shapes, ``benchmarks.engine``'s steps,
