@@ -376,9 +376,22 @@ def table(records) -> str:
     return "\n".join(lines)
 
 
+def anchor_shapes(text: str) -> list[tuple[int, int, int, int, int]]:
+    """``"1x131072,32x4096"`` -> those ANCHOR_SHAPES, in the order named (SystemExit naming the choices otherwise)."""
+    by_name = {f"{b}x{l}": shape for shape in ANCHOR_SHAPES for b, l in [shape[:2]]}
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in by_name]
+    if unknown or not names:
+        raise SystemExit(f"--shapes takes anchor shapes BxL from {', '.join(by_name)}; got {text!r}")
+    return [by_name[n] for n in names]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="first anchor shape only")
+    ap.add_argument("--shapes", default=None,
+                    help="decode: only these anchor shapes, as BxL (e.g. 1x131072,32x4096); the runtime's choice "
+                         "under --backend auto then weighs only these")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--ops", default="decode,write,prefill,compile")
     ap.add_argument("--out", default=None)
@@ -399,7 +412,7 @@ def main(argv=None) -> int:
     from kvgen.registry import default_registry
 
     schemes = [s for s in args.schemes.split(",") if s in default_registry().schemes]
-    shapes = ANCHOR_SHAPES[:1] if args.quick else ANCHOR_SHAPES
+    shapes = ANCHOR_SHAPES[:1] if args.quick else anchor_shapes(args.shapes) if args.shapes else ANCHOR_SHAPES
     gpu = torch.cuda.get_device_name()
     date = dt.date.today().isoformat()
     out_dir = Path(args.out) if args.out else Path(__file__).parent / "results" / f"{date}-{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}"
