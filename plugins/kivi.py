@@ -39,11 +39,7 @@ Numerics (the same for every scheme; see ``tests/kernels/test_numerics.py``):
   key scales into q instead and rounds ``q' * k_scale`` to float16, with
   q' = q * sm_scale * log2(e) times a power of two per warp that brings
   its largest element to at most ``C``: by the cap, every product stays
-  within 65504. For int4 it folds the value scales into the
-  probabilities too, ``P * 2^k * v_scale`` rounded to float16, with a
-  power of two 2^k per tile that keeps the tile's largest scale times
-  2^k below 2^15 (so the product stays finite and small scales keep
-  float16's precision).
+  within 65504.
 - Non-finite K/V propagate: a NaN or an Inf stores its group's scale as NaN
   (the key channel of its page, or its token's value group), so it reads
   back as NaN and every query attending that page (keys) or token (values)
