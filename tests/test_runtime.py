@@ -26,7 +26,8 @@ from kvgen.planner.planner import make_plan
 from kvgen.planner.workload import Workload
 from kvgen.registry import default_registry
 from kvgen.runtime import COMPRESSED, RESIDUAL, KVCache, KvgenRuntimeError, OutOfPages, UnknownSequence, load
-from kvgen.runtime.page_pool import pool_sizes
+from kvgen.runtime.block_manager import BlockManager
+from kvgen.runtime.page_pool import APPEND_SLACK_PAGES, pool_sizes
 from kvgen.targets import resolve_target
 
 H, HQ, D = 2, 4, 8
@@ -590,3 +591,22 @@ def test_step_metadata_sections_are_16_byte_aligned(batch):
     step = cache.plan_step(ids, [3 + 17 * i for i in ids])
     for name in ("block_tables", "seq_lens", "num_compressed", "cu_seqlens_q"):
         assert getattr(step, name).data_ptr() % 16 == 0, name
+
+
+def test_a_long_chunk_of_a_residual_scheme_takes_few_phases_with_one_sequence():
+    """A prompt chunk of a residual scheme converts its full pages through the residual pool, one phase (a cache
+    write and a page-quantize launch per layer) each time that pool runs dry: a cache sized for one sequence keeps
+    spare residual pages (APPEND_SLACK_PAGES), so a 1,024-token chunk takes a few phases, not one per page."""
+    plan = make_plan_for("int4")
+    P = plan.page_size
+    cache = load(plan.to_json(), fake_kernels([]), device="meta", max_tokens=1 << 16, max_seqs=1, autotune=False)
+    per_seq = plan.scheme_params["residual_tokens"] // P + 1
+    assert cache.num_residual_pages == per_seq + APPEND_SLACK_PAGES
+    bm = cache.block_manager
+    bm.add_sequence("a")
+    phases = bm.reserve_step(["a"], [1024]).phases
+    assert len(phases) <= -(-1024 // P // APPEND_SLACK_PAGES) + 1
+    # without the slack (the pool of one tail) the same chunk took a phase per page
+    lean = BlockManager(P, cache.num_pages, per_seq, plan.scheme_params["residual_tokens"], "int4")
+    lean.add_sequence("a")
+    assert len(lean.reserve_step(["a"], [1024]).phases) >= 1024 // P - 1

@@ -23,6 +23,19 @@ from .pools import allocate_pool, pool_bytes
 MIN_RESIDUAL_SEQS = 4
 """With ``max_tokens``, the residual pool keeps room for at least this many sequences."""
 
+APPEND_SLACK_PAGES = 64
+"""With ``max_tokens``, residual pages beyond the sequences' tails (at most a sixteenth of the pool).
+
+A residual scheme's long append (a prompt chunk) passes its full pages through
+the residual pool on their way to compression, and each time the pool runs out
+of free pages the step opens another phase (BlockManager.reserve_step): one
+more cache-write and page-quantize launch per layer. With room for one
+sequence's tail only (an engine with ``max_num_seqs=1``), an 8,192-token chunk
+at page 16 took 512 phases, some 33,000 launches for a 16K-token prompt over 32
+layers; 64 spare pages make it 8. (H200, Llama-3-8B shape, 2026-12-04: such an
+engine's first token of a 16K prompt took 1.61 s with int4 KV against 0.48 s
+with bf16, measured before this slack; benchmarks/results/2026-12-04-nvidia-h200-2.)"""
+
 
 def default_device() -> torch.device:
     """The current CUDA device when there is one (and kernels are not interpreted), else the CPU."""
@@ -47,7 +60,8 @@ def pool_sizes(plan: Mapping[str, Any], max_tokens: int | None = None,
     ``num_residual_pages``. With it: about ``max_tokens`` tokens of pages
     (at most the plan's capacity), split in the planner's compressed :
     residual proportion, the residual pool holding at least a tail for
-    ``max_seqs`` (default 4) sequences.
+    ``max_seqs`` (default 4) sequences plus APPEND_SLACK_PAGES (at most a
+    sixteenth of the pages) for long appends.
     """
     n_c, n_r = int(plan["num_pages"]), int(plan["num_residual_pages"])
     residual_tokens = (plan.get("scheme_params") or {}).get("residual_tokens")
@@ -62,7 +76,7 @@ def pool_sizes(plan: Mapping[str, Any], max_tokens: int | None = None,
     per_seq = int(residual_tokens) // P + 1
     seqs = MIN_RESIDUAL_SEQS if max_seqs is None else max(1, int(max_seqs))
     frac = n_r / (n_c + n_r) if n_c + n_r else 0.0
-    r = max(math.ceil(total * frac), seqs * per_seq)
+    r = max(math.ceil(total * frac), seqs * per_seq + min(APPEND_SLACK_PAGES, total // 16))
     c = max(total - r, 1)
     if n_c:
         c = min(c, n_c)
