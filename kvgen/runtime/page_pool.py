@@ -31,8 +31,8 @@ the residual pool on their way to compression, and each time the pool runs out
 of free pages the step opens another phase (BlockManager.reserve_step): one
 more cache-write and page-quantize launch per layer. With room for one
 sequence's tail only (an engine with ``max_num_seqs=1``), an 8,192-token chunk
-at page 16 took 512 phases, some 33,000 launches for a 16K-token prompt over 32
-layers; 64 spare pages make it 8. (H200, Llama-3-8B shape, 2026-12-04: such an
+at page 16 took 512 phases, 1,024 launches a layer (some 65,000 for a 16K-token
+prompt's two chunks over 32 layers); 64 spare pages make it 8. (H200, Llama-3-8B shape, 2026-12-04: such an
 engine's first token of a 16K prompt took 1.61 s with int4 KV against 0.48 s
 with bf16, measured before this slack; benchmarks/results/2026-12-04-nvidia-h200-2.)"""
 
