@@ -378,7 +378,7 @@ def table(records) -> str:
 
 def anchor_shapes(text: str) -> list[tuple[int, int, int, int, int]]:
     """``"1x131072,32x4096"`` -> those ANCHOR_SHAPES, in the order named (SystemExit naming the choices otherwise)."""
-    by_name = {f"{b}x{l}": shape for shape in ANCHOR_SHAPES for b, l in [shape[:2]]}
+    by_name = {f"{shape[0]}x{shape[1]}": shape for shape in ANCHOR_SHAPES}
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in by_name]
     if unknown or not names:

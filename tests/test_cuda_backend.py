@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import os
+import re
 import stat
 import subprocess
 import threading
@@ -86,7 +87,7 @@ def test_cuda_template_builds_for_sm_90a(spec, tmp_path):
 
 def _ptx_function(ptx: str, name: str) -> str:
     """The body of the PTX entry whose mangled name contains ``name`` (the first, for a template's instances)."""
-    entries = [i for i in range(len(ptx)) if ptx.startswith(".entry ", i)]
+    entries = [m.start() for m in re.finditer(r"^\.entry ", ptx, re.M)]
     start = next(i for i in entries if name in ptx[i:ptx.find("(", i)])
     end = next((i for i in entries if i > start), len(ptx))
     return ptx[start:end]
