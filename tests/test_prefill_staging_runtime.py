@@ -32,7 +32,8 @@ def test_prefill_passes_each_steps_lengths_to_step_config(monkeypatch):
 
     def refine(config, num_new, seq_lens, fresh):
         out = original_refine(config, num_new, seq_lens, fresh)
-        seen.append((tuple(num_new), tuple(seq_lens), fresh, out["staged"]))
+        seen.append((tuple(num_new), tuple(seq_lens), fresh, out["staged"], out.get("stage_rows"),
+                     out.get("fresh_rows")))
         return out
 
     def launch(*args, config=None, **kwargs):
@@ -49,4 +50,5 @@ def test_prefill_passes_each_steps_lengths_to_step_config(monkeypatch):
     _prefill(cache, ["a", "b"], [1, 1], seed=3)    # decode rows
     assert [x[:3] for x in seen] == [((200, 3), (200, 3), True), ((100, 1), (300, 4), True),
                                      ((1, 1), (301, 5), True)]
-    assert [x[3] for x in seen] == [0, 1, 0]
+    # the first chunk runs the staged kernel on its fresh keys alone, the second stages its prefix
+    assert [x[3:] for x in seen] == [(1, (), (0,)), (1, (0,), None), (0, None, None)]

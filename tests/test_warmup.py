@@ -71,7 +71,11 @@ def test_scenarios_cover_every_variant_the_tuner_can_pick(monkeypatch):
     defaults = {json.dumps(model_config("prefill", module, (b, q, s), H200_SMS), sort_keys=True)
                 for b in (1, 8, 64) for q in (1, 16, 256) for s in (256, 1024)}
     assert defaults <= {json.dumps(c, sort_keys=True) for c in prefill}
-    assert len(prefill) == len({json.dumps(c, sort_keys=True) for c in prefill})
+    runs = [(json.dumps(s.config, sort_keys=True), s.batch, s.mixed) for s in got if s.op == "prefill"]
+    assert len(runs) == len(set(runs))
+    # each config read in place also runs beside a decode row it skips (its SKIP_STAGED variant)
+    alone = {c for c, batch, mixed in runs if batch == 1 and '"staged": 0' in c}
+    assert alone and alone <= {c for c, _, mixed in runs if mixed}
 
 
 def test_a_staged_prefill_winner_warms_both_kernels_it_can_launch(monkeypatch, tmp_path):
@@ -96,8 +100,9 @@ def test_a_staged_prefill_winner_warms_both_kernels_it_can_launch(monkeypatch, t
     _persist(cache, "prefill", "prefill/b8/q2/s1024", short)
     prefill = [s for s in scenarios(cache) if s.op == "prefill"]
     assert not [s for s in prefill if s.config.get("staged") and s.config["block_m"] == short["block_m"]]
-    assert module.in_place_config(short) in [s.config for s in prefill]
-    todo = [s for s in prefill if s.config in (in_place, staged, mixed)]
+    assert [(s.batch, s.mixed) for s in prefill if s.config == module.in_place_config(short)] == [(1, False),
+                                                                                                (2, True)]
+    todo = [s for s in prefill if s.config in (in_place, staged, mixed) and not s.mixed]
     assert sorted((s.config["staged"], s.batch) for s in todo) == [(0, 1), (1, 1), (1, 2)]
     launches = []  # (kernel, SKIP_STAGED) of every attention launch
 
@@ -117,6 +122,28 @@ def test_a_staged_prefill_winner_warms_both_kernels_it_can_launch(monkeypatch, t
     assert report.skipped is None
     assert sorted(launches) == [("_prefill_kernel", False), ("_prefill_kernel", True),
                                 ("_prefill_staged_kernel", None), ("_prefill_staged_kernel", None)]
+
+
+def test_a_mixed_scenario_runs_the_decode_kernel_and_the_skipping_prefill(monkeypatch, tmp_path):
+    """A chunk beside a decode row: the decode kernel attends the row, the in-place kernel skips it."""
+    monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path / "kvgen"))
+    cache = make_cache("int8", max_tokens=256, num_layers=1)
+    mixed = [s for s in scenarios(cache) if s.op == "prefill" and s.mixed]
+    assert mixed and all(s.batch == 2 and not s.config.get("staged") for s in mixed)
+    module, launches = cache.kernels["prefill"], []
+    kernel, decode = module._prefill_kernel, cache.kernels["decode"].launch
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launches.append(("prefill", kwargs.get("SKIP_STAGED")))
+                return kernel[grid](*args, **kwargs)
+            return run
+    monkeypatch.setattr(module, "_prefill_kernel", Spy())
+    monkeypatch.setattr(cache.kernels["decode"], "launch",
+                        lambda q, *a, **k: launches.append(("decode", q.shape[0])) or decode(q, *a, **k))
+    assert warm_up(cache, force=True, only=mixed[:1]).skipped is None
+    assert launches == [("decode", 1), ("prefill", True)]
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

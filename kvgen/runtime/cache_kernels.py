@@ -149,7 +149,15 @@ class KernelConfigMixin:
             configs["decode"] = self._config("decode", (step.batch, step.max_seq_len))
         else:
             configs["prefill"] = self._config("prefill", (step.batch, max(1, step.max_q_len), step.max_seq_len))
+            rows = step.decode_rows  # a mixed step's one-token rows: the decode kernel's shape
+            if rows is not None and self._splits_decode_rows():
+                configs["decode"] = self._config("decode", (len(rows.rows), rows.max_seq_len))
         return configs
+
+    def _splits_decode_rows(self) -> bool:
+        """Whether a mixed step's one-token rows go through the decode kernel (:class:`~.step.DecodeRows`):
+        when the prefill module can skip them (packages generated before ``skip_rows`` cannot)."""
+        return bool(getattr(self.kernels["prefill"], "SKIPS_ROWS", False))
 
     def kernel_config(self, op: str, shape: tuple[int, ...]) -> dict[str, Any] | None:
         """The launch config ``op`` gets at ``shape``, as a step of that shape would: decode ``(batch,

@@ -39,6 +39,29 @@ class StepPhase:
     conversions: tuple[torch.Tensor, torch.Tensor] | None
 
 
+@dataclass(frozen=True)
+class DecodeRows:
+    """The one-token sequences of a step that also runs longer chunks (a mixed step), for the decode kernel.
+
+    The prefill kernel gives each sequence at least one query block, a tile of ~128 query rows with one
+    program per KV head and no split of the keys: a sequence adding one token reads its whole cache
+    through one program a head with a few rows of the tile in use (H200, Llama-3-8B shape, 11 int4 rows
+    of 34K tokens beside a 32K prompt's chunks: some 60 ms more a chunk step than with the decode kernel,
+    benchmarks/experiments/mixed_step.py). The decode kernel reads them as a decode step does.
+
+    ``rows``: their indices in the step (host ints); ``index``: the same, int64 on the device;
+    ``q_rows``: int64, their rows of the step's q/out; ``seq_lens``, ``num_compressed``: int32, theirs;
+    ``max_seq_len``: theirs (host).
+    """
+
+    rows: tuple[int, ...]
+    index: torch.Tensor
+    q_rows: torch.Tensor
+    seq_lens: torch.Tensor
+    num_compressed: torch.Tensor
+    max_seq_len: int
+
+
 @dataclass
 class StepMetadata:
     """Everything the layers of one model step share; built by ``KVCache.plan_step``.
@@ -85,6 +108,9 @@ class StepMetadata:
     cold: ColdStage | None = None
     """The step's cold pages (host tier) and per-layer block tables reaching the staging ring; None when
     no sequence of the step has cold pages (then nothing about the host tier costs anything)."""
+    decode_rows: DecodeRows | None = None
+    """A mixed step's one-token sequences (see :class:`DecodeRows`); None unless some sequence adds one
+    token and another adds more."""
 
 
 class DeviceBuffers:
@@ -236,7 +262,10 @@ def build_step(index: int, bm: BlockManager, buffers: DeviceBuffers, seq_ids: Se
             put(f"{i}/copy_src/{pool}", [src for p, src, _ in ph.copies if p == pool])
             put(f"{i}/copy_dst/{pool}", [dst for p, _, dst in ph.copies if p == pool])
     dev32 = buffers.upload(_host_tensor(flat, torch.int32))
-    dev64 = buffers.upload(_host_tensor(array("q", slots), torch.int64))
+    # a mixed step's one-token rows: their step indices and q rows go up with the slot mapping (int64 for
+    # index_select / index_copy_)
+    ones = [b for b, n in enumerate(num_new) if n == 1] if any(n > 1 for n in num_new) else []
+    dev64 = buffers.upload(_host_tensor(array("q", slots + ones + [cu[b] for b in ones]), torch.int64))
 
     def view(name: str) -> torch.Tensor:
         start, n = offsets[name]
@@ -250,11 +279,18 @@ def build_step(index: int, bm: BlockManager, buffers: DeviceBuffers, seq_ids: Se
                   for pool in sorted({c[0] for c in ph.copies})]
         conversions = (view(f"{i}/conv_src"), view(f"{i}/conv_dst")) if ph.conversions else None
         phases.append(StepPhase(ph.start, ph.end, dev64[ph.start:ph.end], copies, conversions))
+    decode_rows = None
+    if ones:
+        n = len(slots)
+        rows = dev64[n:n + len(ones)]
+        decode_rows = DecodeRows(tuple(ones), rows, dev64[n + len(ones):n + 2 * len(ones)],
+                                 view("seq_lens").index_select(0, rows), view("num_compressed").index_select(0, rows),
+                                 max(lens[b] for b in ones))
     return StepMetadata(
         index=index, seq_ids=tuple(seq_ids), num_new=tuple(num_new), seq_lens_host=tuple(lens), batch=B,
         max_seq_len=max(lens, default=0), max_q_len=max(num_new, default=0), total_tokens=len(slots),
         max_pages=max_pages, is_decode=B > 0 and all(n == 1 for n in num_new),
         block_tables=view("block_tables").view(B, max_pages), seq_lens=view("seq_lens"),
-        num_compressed=view("num_compressed"), cu_seqlens_q=view("cu_seqlens_q"), slot_mapping=dev64,
+        num_compressed=view("num_compressed"), cu_seqlens_q=view("cu_seqlens_q"), slot_mapping=dev64[:len(slots)],
         phases=phases, num_copies=sum(len(ph.copies) for ph in reservation.phases),
-        num_conversions=sum(len(ph.conversions) for ph in reservation.phases), cold=cold)
+        num_conversions=sum(len(ph.conversions) for ph in reservation.phases), cold=cold, decode_rows=decode_rows)

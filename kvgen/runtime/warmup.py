@@ -78,6 +78,9 @@ class Scenario:
     config: dict[str, Any] | None = None
     fork: bool = False
     why: str = ""
+    mixed: bool = False
+    """The last sequence adds one token instead (a decode row beside chunks: the decode kernel attends it and
+    the prefill kernel skips it, a variant of its own)."""
 
 
 @dataclass
@@ -214,22 +217,26 @@ def scenarios(cache: Any) -> list[Scenario]:
         refine = getattr(module, "step_config", None)
 
         def can_stage(cfg: dict[str, Any], q: int) -> bool:
+            # q tokens over a prefix of q (staged), or with none (a first chunk: the staged kernel, fresh keys)
             if refine is None or int(cfg.get("staged", 0)) != 2:
                 return bool(cfg.get("staged"))
-            return int(refine(cfg, [q], [2 * q], True).get("staged", 0)) == 1
-        forced: list[tuple[int, dict[str, Any]]] = []
+            return any(int(refine(cfg, [q], [n], True).get("staged", 0)) == 1 for n in (2 * q, q))
+        # (a config read in place also runs beside a decode row it skips -- mixed -- unless a staging
+        # scenario of two sequences already runs its skipping variant)
+        forced: list[tuple[int, dict[str, Any], bool]] = []
         for cfg, q in _prefill_configs_and_queries(cache):
-            if not cfg.get("staged"):
-                forced.append((1, cfg))
+            base = in_place(cfg) if cfg.get("staged") else cfg
+            if not cfg.get("staged") or not can_stage(cfg, q):
+                forced += [(1, base, False), (2, base, True)]
                 continue
-            forced.append((1, in_place(cfg)))
-            if can_stage(cfg, q):
-                forced += [(1, dict(cfg, staged=1)), (2, dict(cfg, staged=1, stage_rows=[0]))]
-        for batch, cfg in {json.dumps(bc, sort_keys=True): bc for bc in forced}.values():
-            why = ("prefill of a fresh chunk over a cached prefix" if not cfg.get("staged") else
+            forced += [(1, base, False), (1, dict(cfg, staged=1), False),
+                       (2, dict(cfg, staged=1, stage_rows=[0]), False)]
+        for batch, cfg, mixed in {json.dumps(bc, sort_keys=True): bc for bc in forced}.values():
+            why = ("prefill of a chunk beside a decode row (the decode kernel's; the prefill kernel skips it)"
+                   if mixed else "prefill of a fresh chunk over a cached prefix" if not cfg.get("staged") else
                    "prefill of a fresh chunk through the staging buffer" if batch == 1 else
                    "prefill staging one sequence of two, the other read in place")
-            out.append(Scenario("prefill", batch, P, P, cfg, why=why))
+            out.append(Scenario("prefill", batch, P, P, cfg, why=why, mixed=mixed))
     return out
 
 
@@ -299,10 +306,13 @@ def _run(scratch: Any, s: Scenario, gen) -> None:
             scratch.append_kv(0, owners, _randn(scratch, n, H, gen), _randn(scratch, n, H, gen))
         if len(owners) < len(ids):
             scratch.fork(owners[0], ids[-1])
-        step = scratch.plan_step(ids, s.new_tokens)
+        counts = [s.new_tokens] * s.batch
+        if s.mixed:
+            counts[-1] = 1
+        step = scratch.plan_step(ids, counts)
         if s.config is not None:
             step.configs[s.op] = dict(s.config)
-        rows = s.batch * s.new_tokens
+        rows = sum(counts)
         k, v = _randn(scratch, rows, H, gen), _randn(scratch, rows, H, gen)
         if s.op == "write":
             scratch.append_kv(0, ids, k, v)

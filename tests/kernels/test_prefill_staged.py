@@ -47,6 +47,8 @@ def nan_staging_buffers(monkeypatch):
         mod = original(*args, **kwargs)
         if hasattr(mod, "_stage_buffers"):
             monkeypatch.setattr(mod, "_stage_buffers", poisoned)
+            monkeypatch.setattr(mod, "_no_stage_buffers", lambda dtype, device: poisoned(
+                (1, mod.NUM_KV_HEADS, mod.PAGE, mod.HEAD_DIM), dtype, device))
         return mod
     monkeypatch.setattr(loader, "load_kernel", load_kernel)
     monkeypatch.setattr(hz, "load_kernel", load_kernel, raising=False)
@@ -101,10 +103,15 @@ def test_step_config_stages_long_chunks_over_a_prefix_only():
     cfg = {"block_m": 16, "pages_per_tile": 2, "num_warps": 4, "num_stages": 1, "staged": 2}
     chunk_over_prefix = mod.step_config(cfg, [512], [2048], True)
     assert chunk_over_prefix == dict(cfg, staged=1, stage_rows=(0,))
-    assert mod.step_config(cfg, [2048], [2048], True) == mod.in_place_config(cfg)  # a first chunk: no prefix
-    assert mod.step_config(cfg, [2048], [2048], False)["stage_rows"] == (0,)  # ... unless it reads itself back
-    # decode rows (one query block each) beside a long chunk over no prefix: nothing is read twice
-    assert mod.step_config(cfg, [2048] + [1] * 63, [2048] + [1024] * 63, True)["staged"] == 0
+    # a first chunk (no prefix) stages nothing: the staged kernel attends its fresh keys alone
+    assert mod.step_config(cfg, [2048], [2048], True) == dict(cfg, staged=1, stage_rows=(), fresh_rows=(0,))
+    assert mod.step_config(cfg, [2048], [2048], False) == dict(cfg, staged=1, stage_rows=(0,))  # it reads itself
+    assert mod.step_config(cfg, [16], [16], True) == mod.in_place_config(cfg)  # ... one query block: in place
+    # decode rows (one query block each) beside a long first chunk: only the chunk runs the staged kernel
+    assert mod.step_config(cfg, [2048] + [1] * 63, [2048] + [1024] * 63, True) == dict(
+        cfg, staged=1, stage_rows=(), fresh_rows=(0,))
+    assert mod.step_config(cfg, [1, 2048, 512], [1024, 2048, 4096], True) == dict(
+        cfg, staged=1, stage_rows=(2,), fresh_rows=(1,))
     # a chunk over a prefix beside 63 decode rows of 1K: only the chunk is staged, however short, as long
     # as its query blocks read the prefix at least 1 + STAGE_MIN_REUSE times
     assert mod.step_config(cfg, [1] * 63 + [1024], [1024] * 63 + [4096], True)["stage_rows"] == (63,)
@@ -167,6 +174,69 @@ def test_staging_some_sequences_reads_the_others_in_place(scheme, kv, monkeypatc
     monkeypatch.setattr(mod, "STAGE_MAX_BYTES", slot + slot // 2)
     hz.check(case, launch(dict(cfg, staged=1, stage_rows=[2, 0])), ref, f"staging cut to one row, kv {kv}")
     assert stage_calls == [(2,), (0,), (2, 0), (1, 3), (2,)]
+
+
+@pytest.mark.parametrize("scheme", QUANTIZED)
+def test_fresh_rows_attend_their_fresh_keys_alone(scheme, monkeypatch):
+    """``fresh_rows`` (first chunks, no cached page) run the staged kernel with no staging and no buffer slot,
+    beside staged rows or alone; the others are read in place. The stand-in buffer, the chunks' own pages and
+    the outputs start as NaN: a fresh row that read a page or a row no kernel wrote comes out NaN."""
+    case = _one_case(scheme, gqa=2, num_kv_heads=1)
+    mod = _module(case)
+    P = case.page_size
+    lengths = [3 * P + 5, 2 * P + 7, 5 * P, P + 1]
+    qlens = [3 * P + 5, 1, 2 * P + 1, P + 1]  # rows 0 and 3 are first chunks (one ends a page past a page)
+    launch, reference_fn = prepare_prefill(case, lengths, qlens, seed=59, fresh=True)
+    ref = reference_fn()
+    cfg = dict(small_tiles(case), staged=2)
+    step = mod.step_config(cfg, qlens, lengths, True)
+    assert step["fresh_rows"] == (0, 3) and step["stage_rows"] == (2,)
+    launches = count_launches(mod, monkeypatch)
+    hz.check(case, launch(step), ref, "fresh rows beside a staged row and a decode row")
+    assert launches == {"_stage_kernel": 1, "_prefill_staged_kernel": 1, "_prefill_kernel": 1}
+    only_fresh = dict(cfg, staged=1, stage_rows=(), fresh_rows=(0, 3))
+    launches.clear()
+    hz.check(case, launch(only_fresh), ref, "fresh rows, the others in place")
+    assert launches == {"_prefill_staged_kernel": 1, "_prefill_kernel": 1}  # nothing staged, no stage launch
+    monkeypatch.setattr(mod, "STAGE_MAX_BYTES", 0)  # no room to stage row 2: in place, the fresh rows still not
+    launches.clear()
+    hz.check(case, launch(step), ref, "fresh rows, the staging cut to nothing")
+    assert launches == {"_prefill_staged_kernel": 1, "_prefill_kernel": 1}
+    for bad in ({"fresh_rows": (4,)}, {"fresh_rows": (0, 0)}, {"stage_rows": (2,), "fresh_rows": (2,)},
+                {"stage_rows": None, "fresh_rows": (0,)}, {"staged": 0, "fresh_rows": (0,)}):
+        with pytest.raises(ValueError, match="fresh_rows"):
+            launch({**only_fresh, **bad})
+    pages_only, _ = prepare_prefill(case, lengths, qlens, seed=59)
+    with pytest.raises(ValueError, match="fresh keys"):
+        pages_only(only_fresh)
+
+
+def test_stage_maps_keep_the_in_place_map_aligned():
+    """The in-place kernel's sequence map starts 16 bytes aligned for any count of staged rows (Triton compiles a
+    variant per pointer alignment: warm-up's one-row staging would not cover a step staging none or two)."""
+    mod = _module(_one_case(QUANTIZED[0].values[0], gqa=2, num_kv_heads=1))
+    for rows, skip in (((), (3,)), ((0,), ()), ((0,), (2,)), ((1, 0), ()), ((4, 0, 2), (1,)), ((0, 1, 2, 3, 4), ())):
+        seqs, slots = mod._stage_maps(rows, skip, 6, torch.device("cpu"))
+        assert slots.data_ptr() % 16 == 0 and seqs.data_ptr() % 16 == 0
+        assert seqs.tolist() == list(rows)
+        assert slots.tolist() == [rows.index(b) if b in rows else len(rows) if b in skip else -1 for b in range(6)]
+
+
+def count_launches(mod, monkeypatch) -> dict[str, int]:
+    """Counts of the prefill module's kernel launches by name (a dict the test clears between launches)."""
+    counts: dict[str, int] = {}
+    for name in ("_stage_kernel", "_prefill_staged_kernel", "_prefill_kernel"):
+        kernel = getattr(mod, name)
+
+        class Counted:
+            def __init__(self, name, kernel):
+                self.name, self.kernel = name, kernel
+
+            def __getitem__(self, grid):
+                counts[self.name] = counts.get(self.name, 0) + 1
+                return self.kernel[grid]
+        monkeypatch.setattr(mod, name, Counted(name, kernel))
+    return counts
 
 
 def poison_staged_pages_before_the_in_place_launch(mod, monkeypatch):
