@@ -73,9 +73,27 @@ def test_scenarios_cover_every_variant_the_tuner_can_pick(monkeypatch):
     assert defaults <= {json.dumps(c, sort_keys=True) for c in prefill}
     runs = [(json.dumps(s.config, sort_keys=True), s.batch, s.mixed) for s in got if s.op == "prefill"]
     assert len(runs) == len(set(runs))
-    # each config read in place also runs beside a decode row it skips (its SKIP_STAGED variant)
-    alone = {c for c, batch, mixed in runs if batch == 1 and '"staged": 0' in c}
-    assert alone and alone <= {c for c, _, mixed in runs if mixed}
+    assert_in_place_configs_run_skipping(cache, got)
+
+
+def assert_in_place_configs_run_skipping(cache, got):
+    """Each config a step reads in place also runs beside a row it skips (the in-place kernel's SKIP_STAGED
+    variant): in a mixed scenario (a decode row), or as the in-place twin of a two-sequence staging one."""
+    module = cache.kernels["prefill"]
+    prefill = [s for s in got if s.op == "prefill"]
+    alone = [s.config for s in prefill if s.batch == 1 and not s.config.get("staged")]
+    twins = [module.in_place_config(s.config) for s in prefill if s.batch == 2 and s.config.get("stage_rows") == [0]]
+    skipping = [s.config for s in prefill if s.mixed] + [{k: v for k, v in c.items() if k != "stage_rows"}
+                                                         for c in twins]
+    assert alone and all(c in skipping for c in alone)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_scenarios_of_a_stageable_cache_run_every_in_place_config_skipping(scheme, monkeypatch):
+    cache = make_cache(scheme, max_tokens=256, num_layers=1)
+    _as_on_h200(monkeypatch, cache)
+    assert cache.kernels["prefill"].STAGEABLE
+    assert_in_place_configs_run_skipping(cache, scenarios(cache))
 
 
 def test_a_staged_prefill_winner_warms_both_kernels_it_can_launch(monkeypatch, tmp_path):

@@ -396,7 +396,8 @@ class KVCache(HostTierMixin, KernelConfigMixin):
         caller ran :meth:`append_kv` already) every key is read from the
         pages, the step's own ones included. Works for any step, decode steps
         included. A mixed step's sequences adding one token (:class:`~.step.DecodeRows`) are attended by the
-        decode kernel, from the pages (their new token too), as in a decode step.
+        decode kernel, from the pages (their new token too), as in a decode step, when the prefill module
+        can skip them (``SKIPS_ROWS``; not in packages generated before it).
         """
         step = self._current(seq_ids)
         pools = self._layer(layer)
@@ -422,12 +423,13 @@ class KVCache(HostTierMixin, KernelConfigMixin):
                                                                      k is not None)
         config = step.configs[key]
         sm_scale = self.sm_scale if sm_scale is None else sm_scale
-        ones = step.decode_rows if "decode" in step.configs else None
+        ones = step.decode_rows if self._splits_decode_rows() else None
         if ones is not None:  # the one-token rows of a mixed step: the decode kernel, then the chunks
             q_ones = q.index_select(0, ones.q_rows)
             attended = self.kernels["decode"].launch(
-                q_ones, torch.empty_like(q_ones), pools, tables.index_select(0, ones.index), ones.seq_lens,
-                ones.num_compressed, sm_scale, config=step.configs["decode"])
+                q_ones, torch.empty_like(q_ones), pools,
+                ones.block_tables if step.cold is None else tables.index_select(0, ones.index), ones.seq_lens,
+                ones.num_compressed, sm_scale, config=step.configs.get("decode"))
             out.index_copy_(0, ones.q_rows, attended)
         module.launch(q, out, pools, tables, step.seq_lens, step.num_compressed, step.cu_seqlens_q,
                       max(1, step.max_q_len), sm_scale, config=config, k_new=k, v_new=v,

@@ -143,7 +143,8 @@ class KernelConfigMixin:
     def _configs(self, step: StepMetadata) -> dict[str, Any]:
         # Host-only lookups (a remembered winner or the model's config; timing only with
         # KVGEN_AUTOTUNE=sync); a decode step gets the decode config, any other step the
-        # prefill one. Autotuner.config never raises, so plan_step stays all-or-nothing.
+        # prefill one, and a mixed step's one-token rows a decode config for their own shape.
+        # Autotuner.config never raises, so plan_step stays all-or-nothing.
         configs: dict[str, Any] = {}
         if step.is_decode:
             configs["decode"] = self._config("decode", (step.batch, step.max_seq_len))

@@ -50,13 +50,14 @@ class DecodeRows:
     benchmarks/experiments/mixed_step.py). The decode kernel reads them as a decode step does.
 
     ``rows``: their indices in the step (host ints); ``index``: the same, int64 on the device;
-    ``q_rows``: int64, their rows of the step's q/out; ``seq_lens``, ``num_compressed``: int32, theirs;
-    ``max_seq_len``: theirs (host).
+    ``q_rows``: int64, their rows of the step's q/out; ``block_tables`` (the step's, without cold pages),
+    ``seq_lens``, ``num_compressed``: int32, theirs; ``max_seq_len``: theirs (host).
     """
 
     rows: tuple[int, ...]
     index: torch.Tensor
     q_rows: torch.Tensor
+    block_tables: torch.Tensor
     seq_lens: torch.Tensor
     num_compressed: torch.Tensor
     max_seq_len: int
@@ -284,6 +285,7 @@ def build_step(index: int, bm: BlockManager, buffers: DeviceBuffers, seq_ids: Se
         n = len(slots)
         rows = dev64[n:n + len(ones)]
         decode_rows = DecodeRows(tuple(ones), rows, dev64[n + len(ones):n + 2 * len(ones)],
+                                 view("block_tables").view(B, max_pages).index_select(0, rows),
                                  view("seq_lens").index_select(0, rows), view("num_compressed").index_select(0, rows),
                                  max(lens[b] for b in ones))
     return StepMetadata(
