@@ -98,12 +98,15 @@ def run_until(engine, cond, max_steps=10**7) -> int:
     return n
 
 
-def filled_engine(kv: str, B: int, L: int, max_model_len: int, *, async_scheduling: bool = False):
+def filled_engine(kv: str, B: int, L: int, max_model_len: int, *, async_scheduling: bool = False,
+                  max_num_seqs: int | None = None):
     """``make_engine`` with B sequences of L random tokens, prefilled (chunked) up to each one's last token: its
-    next ``step`` decodes them all, and they keep decoding (greedy, no EOS) up to ``max_model_len``."""
+    next ``step`` decodes them all, and they keep decoding (greedy, no EOS) up to ``max_model_len``.
+    ``max_num_seqs``: default B (room for more lets a test add requests beside them)."""
     from kvgen.engine import SamplingParams
 
-    eng = make_engine(kv, max_model_len=max_model_len, max_num_seqs=B, async_scheduling=async_scheduling)
+    eng = make_engine(kv, max_model_len=max_model_len, max_num_seqs=max_num_seqs or B,
+                      async_scheduling=async_scheduling)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=max_model_len - L - 8, ignore_eos=True)
     for _ in range(B):

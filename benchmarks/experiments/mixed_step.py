@@ -11,8 +11,9 @@ rows), then:
 - ``decode_ms``: a pure decode step of the rows (median of 5);
 - ``chunk_ms``: each step of a new ``--prompt``-token prompt until its last
   chunk, the rows decoding beside it;
-- ``alone_ms``: the same prompt length alone in an engine of one sequence
-  (after a warm-up prompt of that length), its whole prefill.
+- ``alone_ms``: the same prompt length alone in an engine of one sequence,
+  its whole prefill (``benchmarks.engine``'s TTFT: the median of three
+  prompts after a warm-up prompt of that length).
 
 ``extra_ms = sum(chunk_ms) - len(chunk_ms) * decode_ms - alone_ms`` is what
 mixing costs beyond running the two apart. Prints one JSON object per case.
@@ -24,19 +25,8 @@ import argparse
 import json
 import random
 import statistics
-import time
-
-import torch
 
 from benchmarks import engine as bench
-
-
-def _timed_step(eng) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    eng.step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) * 1e3
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -47,34 +37,16 @@ def _prompt(seed: int, n: int) -> list[int]:
 def case(kv: str, rows: int, context: int, prompt: int) -> dict:
     from kvgen.engine import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    eng = bench.make_engine(kv, max_model_len=prompt + 64, max_num_seqs=1)
-    eng.add_request("warm", _prompt(7, prompt), params)
-    bench.run_until(eng, lambda: not eng.has_unfinished_requests())
-    eng.add_request("alone", _prompt(8, prompt), params)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    bench.run_until(eng, lambda: not eng.has_unfinished_requests())
-    torch.cuda.synchronize()
-    alone = (time.perf_counter() - t) * 1e3
-    holder = [eng]
-    del eng
-    bench.release(holder)
-
-    # the rows, prefilled up to their last token (as bench.filled_engine), with room for one more sequence
-    eng = bench.make_engine(kv, max_model_len=context + 2048, max_num_seqs=rows + 1)
-    for i in range(rows):
-        eng.add_request(f"row{i}", _prompt(100 + i, context),
-                        SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
-    bench.run_until(eng, lambda: all(s.num_computed >= len(s.tokens) - 1 for s in eng.scheduler.running)
-                    and not eng.scheduler.waiting)
+    alone = bench.ttft_record(kv, prompt)["ms"]
+    # the rows, prefilled up to their last token, with room for one more sequence
+    eng = bench.filled_engine(kv, rows, context, context + 2048, max_num_seqs=rows + 1)
     for _ in range(3):
         eng.step()
-    decode = statistics.median(_timed_step(eng) for _ in range(5))
+    decode = statistics.median(bench.timed_steps(eng, 1) for _ in range(5))
     eng.add_request("new", _prompt(9, prompt), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     chunks: list[float] = []
     while len(chunks) <= 64:  # until the prompt's last chunk ran (its first token sampled)
-        chunks.append(_timed_step(eng))
+        chunks.append(bench.timed_steps(eng, 1))
         new = next((s for s in eng.scheduler.running if s.request.request_id == "new"), None)
         if new is not None and new.num_computed >= len(new.tokens) - 1:
             break
