@@ -61,19 +61,20 @@ def signature(names, consts, pointers, floats):
     return {n: kind(n) for n in names}
 
 
-def compile_for_sm90(fn, sig, consts, num_warps, num_stages, not_divisible=(), ones=()):
+def compile_for_sm90(fn, sig, consts, num_warps, num_stages, not_divisible=(), ones=(), divisible=()):
     """``triton.compile`` of the jitted ``fn`` for sm_90 with signature ``sig`` (argument -> type, "constexpr" for
     the keys of ``consts``), specialized as the JIT does at launch: pointers 16-byte aligned, ``stride_*``
     arguments divisible by 16, except those in ``not_divisible`` (do_not_specialize), and the integer arguments
-    in ``ones`` (1 at launch, e.g. a unit last stride) compiled as the constant 1. Without those hints no load
+    in ``ones`` (1 at launch, e.g. a unit last stride) compiled as the constant 1; other integer arguments named
+    in ``divisible`` are divisible by 16 too (as a size the JIT sees so at launch). Without those hints no load
     is vectorized, and register and instruction counts are wrong (NOTES.md)."""
     names = fn.arg_names
     sig, consts = dict(sig), dict(consts)
     for n in ones:
         sig[n], consts[n] = "constexpr", 1
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if sig[n].startswith("*") or (n.startswith("stride_") and n not in not_divisible
-                                           and sig[n] != "constexpr")}
+             if sig[n].startswith("*") or n in divisible
+             or (n.startswith("stride_") and n not in not_divisible and sig[n] != "constexpr")}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     # FP fusion as every kvgen launch states it (templates/triton/launch_options.j2)
     return triton.compile(src, target=GPUTarget("cuda", 90, 64),

@@ -1,23 +1,25 @@
-"""Small-batch projections: kvgen's CUDA GEMV (``gemv.cu``) where it beats cuBLAS, decided per weight shape by timing.
+"""Small-batch projections: kvgen's CUDA GEMV (``gemv.cu``, 1-4 rows) or its Triton small GEMM (:mod:`.small_gemm`,
+5-64 rows) where they beat cuBLAS, decided per weight shape and row bucket by timing.
 
 A decode step at batch 1 is a pass over the weights, and cuBLAS reads the
 small projections of a Llama-3-8B layer well below the copy bandwidth at
 that size on an H200 (q/k/v at 0.76, o at 0.58 with a split-K reduce
 kernel after it: 2026-12-03 engine profile). :func:`linear` is
 ``nn.functional.linear`` except for the shapes :func:`choose` found the
-GEMV faster on: there, one to :data:`MAX_ROWS` rows of ``x`` run the GEMV.
+GEMV faster on: there, one to :data:`MAX_ROWS` rows of ``x`` run the GEMV
+(and up to :data:`MAX_CHOICE_ROWS` rows the small GEMM, where it won).
 
 :func:`choose` times, for each group of same-shaped weights of a model (the
 layers' q/k/v, o, gate/up and down matrices, and the LM head) and each row
-count the decode graphs capture up to :data:`MAX_ROWS`, cuBLAS against each GEMV config in a
+count the decode graphs capture up to :data:`MAX_CHOICE_ROWS`, cuBLAS against each GEMV (or small-GEMM) config in a
 CUDA graph cycling over the group's weights (each call finds its weights
 cold, as in a step), checks the winner against cuBLAS's output, and keeps
 the faster; where the graphs launch the GEMV with PDL, cuBLAS must be faster
 by :data:`PDL_CHAIN_MS`, what it costs the chain (:func:`prefers_gemv`).
 Choices are per process and device, keyed by shape and dtype; nothing else
 changes: larger batches, other devices, the CPU and the interpreter run
-``nn.functional.linear``. ``KVGEN_GEMV=0`` turns the GEMV
-off (comparisons), as does a missing nvcc with no library built before.
+``nn.functional.linear``. ``KVGEN_GEMV=0`` turns both kernels
+off (comparisons); a missing nvcc with no library built before turns the GEMV off.
 
 The library is built by the runtime's CUDA loader (nvcc, the build cache,
 atomic writes) from ``gemv.cu`` beside this file, and launched through
@@ -29,6 +31,7 @@ wrote ``x`` before its loop and lets the next kernel start after it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import warnings
@@ -39,12 +42,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import pdl
+from . import pdl, small_gemm
 
 SOURCE = Path(__file__).with_name("gemv.cu")
 ABI_VERSION = 2
 MAX_ROWS = 4
 """The most rows of ``x`` the GEMV takes (the kernel is built for 1, 2 and up to 4)."""
+MAX_CHOICE_ROWS = small_gemm.MAX_ROWS
+"""The most rows of ``x`` for which :func:`choose` may pick a kernel of kvgen's (past the GEMV: the small GEMM)."""
 CONFIGS = ("1 row x 8 vectors", "2 rows x 4 vectors", "4 rows x 2 vectors", "1 row x 4 vectors")
 """The kernel's configs by index (weight rows per warp x 16-byte vectors per lane in flight; gemv.cu)."""
 PDL_CHAIN_MS = 0.004
@@ -60,9 +65,9 @@ _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 _ARGTYPES = [_P, _P, _P, _P, _I32, _I32, _I32, _I64, _I64, _I32, _I32, _P, _I32]
 
-_CHOICES: dict[tuple, int] = {}
-"""(device index, rows rounded up to 1, 2 or 4, N, K, dtype, has bias) -> the GEMV config that runs for it;
-absent: cuBLAS."""
+_CHOICES: dict[tuple, int | small_gemm.Config] = {}
+"""(device index, row bucket (:func:`_bucket`), N, K, dtype, has bias) -> what runs for it: a GEMV config (an
+int) or a small-GEMM config; absent: cuBLAS."""
 
 
 def enabled() -> bool:
@@ -70,11 +75,15 @@ def enabled() -> bool:
     return os.environ.get(_SWITCH, "1") not in ("", "0")
 
 
+def _bucket(rows: int) -> int:
+    """Rows as the kernel instance that runs them: 1, 2 or 4 (the GEMV's), else the small GEMM's BLOCK_M. An eager
+    step of 3 rows takes the choice its graph bucket of 4 made (20 rows: the bucket of 32), and computes each row
+    exactly as the graph does."""
+    return 1 << (rows - 1).bit_length() if rows <= MAX_ROWS else small_gemm.row_block(rows)
+
+
 def _key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    # rows as the kernel instance that runs them (1, 2, up to 4): an eager step of 3 rows takes the choice its
-    # graph bucket of 4 made, and computes each row exactly as the graph does
-    rows = 1 << (x.shape[0] - 1).bit_length()
-    return (x.device.index, rows, weight.shape[0], weight.shape[1], weight.dtype, bias is not None)
+    return (x.device.index, _bucket(x.shape[0]), weight.shape[0], weight.shape[1], weight.dtype, bias is not None)
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -125,10 +134,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``nn.functional.linear(x, weight, bias)``; the GEMV where :func:`choose` picked it for this shape."""
-    if x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and _CHOICES:
+    """``nn.functional.linear(x, weight, bias)``; the GEMV or the small GEMM where :func:`choose` picked it for this
+    shape and row bucket."""
+    if x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_CHOICE_ROWS and _CHOICES:
         config = _CHOICES.get(_key(x, weight, bias))
-        if config is not None and supports(x, weight, bias):
+        if isinstance(config, small_gemm.Config):
+            if small_gemm.supports(x, weight, bias, config):
+                return small_gemm.small_gemm(x, weight, bias, config)
+        elif config is not None and supports(x, weight, bias):
             return gemv(x, weight, bias, config)
     return nn.functional.linear(x, weight, bias)
 
@@ -141,14 +154,20 @@ class Choice:
     rows: int
     shape: tuple[int, int]
     cublas_ms: float
-    gemv_ms: float | None
-    config: int | None  # None: cuBLAS runs
+    gemv_ms: float | None  # the best of kvgen's kernel (the GEMV or the small GEMM, by rows); None: none passed
+    config: int | small_gemm.Config | None  # None: cuBLAS runs
 
     def describe(self) -> str:
-        gemv_ms = "n/a" if self.gemv_ms is None else f"{self.gemv_ms * 1e3:.1f} us"
-        who = "cuBLAS" if self.config is None else f"GEMV ({CONFIGS[self.config]})"
+        kernel = "GEMV" if self.rows <= MAX_ROWS else "GEMM"
+        ours = "n/a" if self.gemv_ms is None else f"{self.gemv_ms * 1e3:.1f} us"
+        if self.config is None:
+            who = "cuBLAS"
+        elif isinstance(self.config, small_gemm.Config):
+            who = f"GEMM ({self.config.describe()})"
+        else:
+            who = f"GEMV ({CONFIGS[self.config]})"
         return (f"{self.name} {self.shape[0]}x{self.shape[1]} at {self.rows} row(s): {who} "
-                f"(GEMV {gemv_ms}, cuBLAS {self.cublas_ms * 1e3:.1f} us)")
+                f"({kernel} {ours}, cuBLAS {self.cublas_ms * 1e3:.1f} us)")
 
 
 def weight_groups(model: nn.Module) -> list[tuple[str, list[tuple[torch.Tensor, torch.Tensor | None]]]]:
@@ -181,38 +200,51 @@ def prefers_gemv(gemv_ms: float | None, cublas_ms: float, chained: bool) -> bool
 
 
 def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> list[Choice]:
-    """Decide, per projection group of ``model`` and row count in ``rows`` (<= MAX_ROWS), GEMV or cuBLAS.
+    """Decide, per projection group of ``model`` and row bucket of ``rows`` (<= MAX_CHOICE_ROWS), kvgen's kernel
+    (the GEMV up to MAX_ROWS rows, the small GEMM past them) or cuBLAS.
 
-    Does nothing (returns []) off CUDA or when the kernel cannot be built (one warning); with
-    ``KVGEN_GEMV=0`` it also forgets every earlier choice. Call it before CUDA graphs are captured over
-    the model: captured calls keep what ran then.
+    Does nothing (returns []) off CUDA; without the GEMV's build (one warning) cuBLAS keeps the buckets of up
+    to MAX_ROWS rows; with ``KVGEN_GEMV=0`` it also forgets every earlier choice. A small-GEMM config that does
+    not compile on this GPU (out of shared memory) is skipped. Call it before CUDA graphs are captured over the
+    model: captured calls keep what ran then.
     """
     if not enabled():
         clear()  # choices an earlier model made in this process stop too
         return []
-    rows = sorted({1 << (int(r) - 1).bit_length() for r in rows if 1 <= int(r) <= MAX_ROWS})
+    buckets = sorted({_bucket(int(r)) for r in rows if 1 <= int(r) <= MAX_CHOICE_ROWS})
     groups = weight_groups(model)
-    if not rows or not groups:
+    if not buckets or not groups:
         return []
     first = groups[0][1][0][0]
     if not first.is_cuda or first.dtype not in _DTYPES:
         return []
+    from triton.runtime.errors import OutOfResources
+
     from kvgen.runtime.cuda_loader import CudaBuildError
     from kvgen.runtime.kernel_timer import cycling, graph_time_ms
 
-    try:
-        _function(first.device)
-    except CudaBuildError as exc:
-        warnings.warn(f"kvgen: the small-batch GEMV is unavailable ({exc}); cuBLAS runs every projection",
-                      stacklevel=2)
-        return []
+    if buckets[0] <= MAX_ROWS:
+        try:
+            _function(first.device)
+        except CudaBuildError as exc:
+            warnings.warn(f"kvgen: the small-batch GEMV is unavailable ({exc}); cuBLAS runs the projections of "
+                          f"up to {MAX_ROWS} rows", stacklevel=2)
+            buckets = [b for b in buckets if b > MAX_ROWS]
+    num_sms = torch.cuda.get_device_properties(first.device).multi_processor_count
     decided: list[Choice] = []
     gen = torch.Generator(device=first.device).manual_seed(0)
     for name, pairs in groups:
         w0, b0 = pairs[0]
-        for m in rows:
+        for m in buckets:
             x = torch.randn(m, w0.shape[1], device=w0.device, dtype=w0.dtype, generator=gen)
-            if not all(supports(x, w, b) for w, b in pairs):
+            if m <= MAX_ROWS:
+                runs = {c: functools.partial(gemv, config=c) for c in range(len(CONFIGS))
+                        if all(supports(x, w, b) for w, b in pairs)}
+            else:
+                runs = {c: functools.partial(small_gemm.small_gemm, config=c)
+                        for c in small_gemm.candidates(w0.shape[0], w0.shape[1], num_sms)
+                        if all(small_gemm.supports(x, w, b, c) for w, b in pairs)}
+            if not runs:
                 continue
             key = _key(x, w0, b0)
             _CHOICES.pop(key, None)
@@ -220,10 +252,13 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
             cublas_ms = graph_time_ms(cycling(pairs, lambda wb: nn.functional.linear(x, *wb)))
             want = nn.functional.linear(x, w0, b0)
             best, best_ms = None, None
-            for config in range(len(CONFIGS)):
-                if _rel_l2(gemv(x, w0, b0, config), want) > CHECK_REL_L2:
-                    continue  # a broken build or config: never used
-                ms = graph_time_ms(cycling(pairs, lambda wb, c=config: gemv(x, *wb, c)))
+            for config, run in runs.items():
+                try:
+                    if _rel_l2(run(x, w0, b0), want) > CHECK_REL_L2:
+                        continue  # a broken build or config: never used
+                except OutOfResources:
+                    continue  # a small-GEMM tile this GPU's shared memory does not hold
+                ms = graph_time_ms(cycling(pairs, lambda wb, run=run: run(x, *wb)))
                 if best_ms is None or ms < best_ms:
                     best, best_ms = config, ms
             use = best if prefers_gemv(best_ms, cublas_ms, pdl.enabled(x)) else None
@@ -232,7 +267,7 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
             decided.append(Choice(name, m, tuple(w0.shape), cublas_ms, best_ms, use))
     if verbose and decided:
         used = [c for c in decided if c.config is not None]
-        print(f"kvgen: small-batch GEMV for {len(used)} of {len(decided)} projection shapes"
+        print(f"kvgen: kvgen's small-batch kernels for {len(used)} of {len(decided)} projection shapes"
               + (": " + "; ".join(c.describe() for c in used) if used else ""), file=sys.stderr)
     return decided
 

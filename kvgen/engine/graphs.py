@@ -21,10 +21,11 @@ staged inside the layer loop); anything else runs eagerly through the
 runtime (the same model code). The decode config is fixed at capture: the
 runtime's choice for the bucket's batch at the longest context
 (``KVCache.kernel_config``). Before the first capture the buckets of up to
-:data:`.gemv.MAX_ROWS` rows time cuBLAS against kvgen's GEMV for each
-projection shape (:func:`.gemv.choose`); the graphs keep what won. On
-Hopper every kvgen kernel of a graph (the fused elementwise kernels, the
-GEMV, the runtime's cache write, page quantize and decode) launches with
+:data:`.gemv.MAX_CHOICE_ROWS` rows time cuBLAS against kvgen's GEMV (up to
+4 rows) or small GEMM for each projection shape (:func:`.gemv.choose`);
+the graphs keep what won. On Hopper every kvgen kernel of a graph (the
+fused elementwise kernels, the GEMV and small GEMM, the runtime's cache
+write, page quantize and decode) launches with
 programmatic dependent launch (:mod:`.pdl`; ``KVGEN_PDL=0`` turns it off).
 """
 
@@ -83,7 +84,7 @@ class DecodeGraphs:
         # exists before the capture, not inside it.
         stream = torch.cuda.Stream(dev) if capture else None
         # the projections' kernel per small bucket, decided before any capture keeps it (what won, and the times)
-        self.gemv_choices = gemv.choose(model, [b for b in self.buckets if b <= gemv.MAX_ROWS],
+        self.gemv_choices = gemv.choose(model, [b for b in self.buckets if b <= gemv.MAX_CHOICE_ROWS],
                                         verbose=verbose) if capture else []
         for i, key in enumerate(variants):
             b = key[0]

@@ -15,7 +15,8 @@ equivalent to plain stream order:
   its first chunk's weight loads around the wait; ptxas orders the wait
   first, but that peeled chunk is what lets it pipeline the loop: gemv.cu);
 - who signals ``griddepcontrol.launch_dependents``, and when:
-  - the GEMV, after its weight loop;
+  - the GEMV and the small GEMM (:mod:`.small_gemm`, 5-64 rows), after
+    their weight loops;
   - the two short kernels whose next kernel is a projection, the fused
     residual-add + RMSNorm and SiLU * up, right after their wait: the
     projection's blocks launch during their few microseconds and wait

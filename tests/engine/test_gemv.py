@@ -135,8 +135,8 @@ def test_choose_keeps_only_faster_checked_gemvs_and_linear_follows():
                                      max_position_embeddings=512, rms_norm_eps=1e-5), "config")
     net = random_weights(build_model(cfg, 512, torch.device("cuda"), torch.bfloat16), 0)
     choices = gemv.choose(net, [1, 2, 3, 4, 8])
-    assert {c.rows for c in choices} == {1, 2, 4}  # 3 runs as 4; 8 is past MAX_ROWS
-    assert len(choices) == 5 * 3  # five groups at 1, 2 and 4 rows
+    assert {c.rows for c in choices} == {1, 2, 4, 16}  # 3 runs as 4; 8 as the small GEMM's bucket of 16
+    assert len(choices) == 5 * 4  # five groups at 1, 2, 4 and 16 rows
     for c in choices:
         chained = gemv.pdl.enabled(torch.empty(0, device="cuda"))
         assert c.cublas_ms > 0 and (c.config is not None) == gemv.prefers_gemv(c.gemv_ms, c.cublas_ms, chained)

@@ -1,0 +1,160 @@
+"""Projections of a decode step's 5 to 64 rows: a Triton split-K GEMM on tensor cores, launched with PDL.
+
+Why it exists: at batch 32 cuBLAS reads a Llama-3-8B layer's projections at
+0.70-0.89 of the copy bandwidth on an H200 (q/k/v 0.75, o 0.70 plus
+cuBLAS's split-K reduce kernels: the 2026-12-03 engine profile), and it
+launches without programmatic dependent launch, so the decode graph's PDL
+chain drains before and after each of them (:data:`.gemv.PDL_CHAIN_MS`).
+This kernel (:mod:`.small_gemm_kernel`) computes ``out^T = w x^T`` so the
+weight rows fill the MMA and the few rows of x are its N; it splits k
+across programs where the matrix is too narrow to keep every SM streaming,
+and the last program of a column block sums the partials (no second
+kernel). Whether it runs for a projection is :func:`.gemv.choose`'s
+decision, by timing it against cuBLAS.
+
+Rows are bucketed by the kernel's ``BLOCK_M`` (:data:`ROW_BLOCKS`): every
+row count in a bucket runs the same binary and config, so an eager step of
+20 rows computes each row as the graph of 32 does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kvgen.runtime.env import triton_interpret
+
+from . import pdl
+
+ROW_BLOCKS = (16, 32, 64)
+"""The kernel's BLOCK_M instances: a call of m rows runs the smallest that holds them."""
+MAX_ROWS = ROW_BLOCKS[-1]
+MIN_ROWS = 5
+"""Fewer rows go to the GEMV (:mod:`.gemv`) or cuBLAS: a tensor-core tile of 16 rows would be mostly padding."""
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch configuration: the output column block, the k block, the k split and Triton's options."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def describe(self) -> str:
+        return f"{self.block_n}x{self.block_k}, split {self.split_k}, {self.num_warps} warps, {self.num_stages} stages"
+
+
+TILES = ((64, 128, 6, 4), (64, 256, 4, 4), (128, 64, 3, 8), (256, 128, 3, 4))
+"""(block_n, block_k, stages, warps) the chooser times, each with its k splits: the fastest of a wider sweep on an
+H200 at 32 rows (Llama-3-8B shapes; benchmarks/experiments/small_gemm_sweep.py,
+benchmarks/results/2026-12-04-nvidia-h200-4): 64-column blocks for the narrow q/k/v, o and down, 128 or 256 for
+gate/up and the LM head. A tile whose stages do not fit the GPU's shared memory at a row bucket is skipped."""
+
+
+def row_block(rows: int) -> int:
+    """The BLOCK_M instance that runs ``rows`` rows (``MIN_ROWS <= rows <= MAX_ROWS``)."""
+    return next(b for b in ROW_BLOCKS if rows <= b)
+
+
+def candidates(n: int, k: int, num_sms: int) -> list[Config]:
+    """The configs worth timing for a ``[n, k]`` weight on ``num_sms`` SMs: per tile of :data:`TILES` whose block
+    divides k, the k splits from none up to the first that puts two programs on every SM."""
+    out = []
+    for block_n, block_k, stages, warps in TILES:
+        if k % block_k:
+            continue
+        tiles, blocks = -(-n // block_n), k // block_k
+        split = 1
+        while split <= blocks:
+            out.append(Config(block_n, block_k, split, warps, stages))
+            if tiles * split >= 2 * num_sms:
+                break
+            split *= 2
+    return out
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config) -> bool:
+    """Whether :func:`small_gemm` takes these tensors with ``config``: ``MIN_ROWS..MAX_ROWS`` rows of x
+    ``[m, K]`` with unit stride in k, a contiguous weight ``[N, K]`` of the same dtype and device, K a multiple
+    of the config's k block, a contiguous bias ``[N]`` or none."""
+    if x.dim() != 2 or weight.dim() != 2 or not MIN_ROWS <= x.shape[0] <= MAX_ROWS:
+        return False
+    K = weight.shape[1]
+    # float32 only under the interpreter (tests): on a GPU tl.dot would round its inputs to tf32
+    if (x.dtype not in _DTYPES or (x.dtype == torch.float32 and x.is_cuda) or weight.dtype != x.dtype
+            or x.shape[1] != K or K % config.block_k or x.device != weight.device or not weight.is_contiguous() or x.stride(1) != 1):
+        return False
+    return bias is None or (bias.dtype == x.dtype and bias.shape == (weight.shape[0],) and bias.stride(0) == 1
+                            and bias.device == x.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(interpret: bool):
+    from . import small_gemm_kernel
+
+    if small_gemm_kernel.INTERPRET != interpret:
+        raise RuntimeError("kvgen.engine.small_gemm_kernel was imported under the other TRITON_INTERPRET mode")
+    return small_gemm_kernel.small_gemm_kernel
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown buffers, kept: a captured CUDA graph may still point at one
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, at least ``n``, for launches on ``device``'s current stream.
+
+    One buffer per (device, stream): launches on one stream run in order and each leaves its counters zero,
+    so they are reused without a memset; two streams get separate buffers. A buffer only grows; an outgrown one
+    is kept, never freed, since a graph captured with it still counts there. The graph warm-ups (and the
+    chooser's timer) launch on the capture stream first, so a capture finds its buffer made.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 2 * (0 if buf is None else buf.numel()), 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config) -> torch.Tensor:
+    """``x [m, K] @ weight [N, K]^T (+ bias)`` -> a new ``[m, N]`` in x's dtype; float32 accumulation, one rounding.
+
+    Runs on CUDA, or under the Triton interpreter on the CPU (tests). No host synchronization: CUDA graphs
+    capture it. Raises ValueError for tensors or a config it does not take (:func:`supports`).
+    """
+    interpret = triton_interpret()
+    if not supports(x, weight, bias, config) or x.device.type != ("cpu" if interpret else "cuda"):
+        raise ValueError(f"small_gemm takes {MIN_ROWS}..{MAX_ROWS} rows of x [m, K] (unit stride in K) and a "
+                         f"contiguous weight [N, K] of one dtype on one device (CUDA, or the CPU under "
+                         f"TRITON_INTERPRET), K a multiple of {config.block_k}; got x {list(x.shape)} {x.dtype} "
+                         f"strides {x.stride()} on {x.device}, weight {list(weight.shape)} {weight.dtype}")
+    m, (N, K) = x.shape[0], weight.shape
+    bm = row_block(m)
+    out = torch.empty(m, N, dtype=x.dtype, device=x.device)
+    n_blocks = -(-N // config.block_n)
+    split = max(1, min(config.split_k, K // config.block_k))
+    if split > 1:
+        partials = torch.empty(split * n_blocks * bm * config.block_n, dtype=torch.float32, device=x.device)
+        counters = _arrival_counters(x.device, n_blocks)
+    else:
+        partials = counters = out  # unused without a split
+    opts = {}
+    if not interpret:
+        opts = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+        if pdl.enabled(x):
+            opts.update(PDL=True, launch_pdl=True)
+    _kernel(interpret)[(n_blocks, split)](
+        x, weight, bias if bias is not None else out, out, partials, counters, m, N, K, x.stride(0), out.stride(0),
+        split, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLIT=split > 1, **opts)
+    return out

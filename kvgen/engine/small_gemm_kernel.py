@@ -1,0 +1,91 @@
+"""The Triton kernel behind :mod:`kvgen.engine.small_gemm` (imported lazily: only when it first runs).
+
+Imported on first use, never at package import, because ``triton.jit``
+decides at decoration time whether a kernel runs on the CPU interpreter
+(``TRITON_INTERPRET``), which kvgen's CLI sets only after parsing its
+arguments (as :mod:`kvgen.engine.fused_kernels`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvgen.runtime.env import triton_interpret
+
+INTERPRET = triton_interpret()
+"""Whether this kernel was decorated for the CPU interpreter (fixed at import)."""
+
+
+@triton.jit(do_not_specialize=["m", "split_k"])
+def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m, n, k, stride_x, stride_out, split_k,
+                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+    """``out[i, j] = sum_k x[i, k] w[j, k] (+ bias[j])`` for ``i < m <= BLOCK_M``: program (pid_n, pid_k) owns
+    output columns ``[pid_n BLOCK_N, +BLOCK_N)`` and its share of k, a whole number of BLOCK_K blocks.
+
+    Computed transposed, ``out^T = w x^T``: the weight tile is the dot's M (64 or 128 rows fill a Hopper
+    warpgroup MMA) and the few rows of x its N, so no MMA row is padding. The weight tiles stream through the
+    software pipeline once (evict-first); x, small and read by every program, stays in L2.
+
+    SPLIT (``split_k`` > 1 programs along the grid's second axis): each program writes its float32 partial
+    ``[BLOCK_M, BLOCK_N]`` to ``part_ptr`` (one slot per (pid_k, pid_n)), then counts itself in on the column
+    block's arrival counter; the last to arrive sums the partials in split order (the result does not depend on
+    arrival order), writes the output and zeroes the counter for the next launch (launches on a stream run in
+    order). No second kernel, no memset.
+    Contract (the launcher checks it): k % BLOCK_K == 0, w row-major ``[n, k]``, x rows unit-stride in k.
+
+    The strides are specialized (Triton learns that a row stride is a multiple of 16 elements): with x's row
+    stride unspecialized it loaded x two bytes at a time, synchronously (LDG + STS, no cp.async), and the
+    kernel read the weights at 0.3-0.8 of the copy bandwidth instead of 0.7-0.97 (H200, 2026-12-04;
+    tests/engine/test_small_gemm_sm90.py keeps the loop's loads asynchronous).
+    """
+    if PDL:
+        # x is the previous kernel's output: wait for its completion and writes before the first load
+        tl.extra.cuda.gdc_wait()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_kb = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < n
+    m_ok = offs_m < m
+    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)  # rows past n read row 0 (computed, never stored): no load mask
+    blocks = k // BLOCK_K
+    per_split = tl.cdiv(blocks, split_k)
+    b_lo = pid_k * per_split
+    b_hi = tl.minimum(b_lo + per_split, blocks)
+    w_rows = w_ptr + rows[:, None] * k
+    x_rows = x_ptr + tl.where(m_ok, offs_m, 0).to(tl.int64)[:, None] * stride_x
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for b in range(b_lo, b_hi):
+        kk = b * BLOCK_K + offs_kb
+        w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
+        xt = tl.load(x_rows + kk[None, :])
+        acc = tl.dot(w, tl.trans(xt), acc)
+    if PDL:
+        # the weights are read: the next kernel's programs may launch (and wait for this one's completion)
+        tl.extra.cuda.gdc_launch_dependents()
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
+    out_mask = n_ok[:, None] & m_ok[None, :]
+    if not SPLIT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        n_blocks = tl.num_programs(0)
+        tile = offs_m[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BLOCK_N, BLOCK_M] in a slot
+        slot = BLOCK_M * BLOCK_N
+        tl.store(part_ptr + (pid_k * n_blocks + pid_n).to(tl.int64) * slot + tile, acc)
+        # Count this split in: the barrier orders every thread's stores before the (one-thread) release; the
+        # last program reads the partials through L2 (.cg), where the other SMs' stores landed.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in range(split_k):
+                total += tl.load(part_ptr + (s * n_blocks + pid_n).to(tl.int64) * slot + tile, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(counter_ptr + pid_n, 0)

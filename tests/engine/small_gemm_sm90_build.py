@@ -1,0 +1,53 @@
+"""Compile the engine's small GEMM for sm_90 offline, per row bucket and tile; print what its PTX and SASS hold
+as JSON.
+
+    python tests/engine/small_gemm_sm90_build.py     (run by test_small_gemm_sm90.py in a fresh process)
+
+A process of its own: Triton fixes interpreter or compiled mode when it is imported, and the test session
+imports it for the interpreter (the shared compile helper drops TRITON_INTERPRET before it imports Triton).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.experiments
+from benchmarks.experiments.compile_sm90 import compile_for_sm90, sass_of, signature  # noqa: E402
+from benchmarks.experiments.sass_text import loop_bodies, opcode  # noqa: E402
+
+
+def main() -> None:
+    from kvgen.engine import small_gemm
+    from kvgen.engine.small_gemm_kernel import small_gemm_kernel as fn
+
+    out = []
+    for block_m in small_gemm.ROW_BLOCKS:
+        for block_n, block_k, stages, warps in small_gemm.TILES:
+            if (block_n + block_m) * block_k * 2 * stages > 227 * 1024:
+                continue  # does not fit an H100/H200's shared memory: the chooser skips it there
+            for split in (False, True):
+                consts = {"HAS_BIAS": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                          "SPLIT": split, "PDL": True}
+                ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+                        "part_ptr": "*fp32", "counter_ptr": "*i32"}
+                # specialized as the JIT specializes at a Llama layer's launch: n, k and the row strides are
+                # multiples of 16, the kernel's do_not_specialize arguments are not assumed to be
+                k = compile_for_sm90(fn, signature(fn.arg_names, consts, ptrs, ()), consts, warps, stages,
+                                     not_divisible=tuple(fn.do_not_specialize), divisible=("n", "k"))
+                sass, regs, spills = sass_of(k)
+                ptx = k.asm["ptx"]
+                loops = [[opcode(i) for i in body] for body in loop_bodies(sass)]
+                out.append({"block_m": block_m, "tile": [block_n, block_k, stages, warps], "split": split,
+                            "registers": regs, "spill_bytes": spills,
+                            "loops": [{op: ops.count(op) for op in ("LDG", "LDGSTS", "STS", "HGMMA")}
+                                      for ops in loops],
+                            "wait": ptx.find("griddepcontrol.wait"),
+                            "launch_dependents": ptx.find("griddepcontrol.launch_dependents"),
+                            "first_load": min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0)})
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

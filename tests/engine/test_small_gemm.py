@@ -1,0 +1,204 @@
+"""The small GEMM for 5 to 64 rows (kvgen/engine/small_gemm.py, small_gemm_kernel.py) and its place in the chooser.
+
+CPU (CI, Triton interpreter, float32/float16): every row bucket, split and
+bias against a float64 reference on random inputs, with ragged column tails,
+a strided x and poisoned outputs; the split arrival counters are left zero
+for the next launch; the refusals. GPU (``-m gpu``): bfloat16 and float16 at
+a Llama layer's shapes against float64, in a CUDA graph (replayed with new
+inputs, and with PDL), and ``gemv.choose`` keeps it only where it timed
+faster and checked.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from kvgen.engine import gemv, small_gemm
+
+
+def _reference(x, w, b):
+    y = x.double() @ w.double().t()
+    return y if b is None else y + b.double()
+
+
+def _rel_l2(a, ref):
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+@pytest.fixture
+def interpret():
+    """The CPU tests' kernels run on Triton's interpreter (tests/conftest.py sets it for CPU runs)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the kernel on Triton's CPU interpreter (TRITON_INTERPRET=1)")
+
+
+def test_row_buckets_and_candidates():
+    assert [small_gemm.row_block(r) for r in (5, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    assert [gemv._bucket(r) for r in (1, 2, 3, 4, 5, 8, 20, 48)] == [1, 2, 4, 4, 16, 16, 32, 64]
+    cands = small_gemm.candidates(4096, 4096, 132)
+    assert cands and all(4096 % c.block_k == 0 for c in cands)
+    for tile in {(c.block_n, c.block_k) for c in cands}:
+        splits = [c.split_k for c in cands if (c.block_n, c.block_k) == tile]
+        assert splits[0] == 1 and splits == sorted(splits)
+        # the last split is the first to put two programs on every SM (or the most k blocks allow)
+        assert -(-4096 // tile[0]) * splits[-1] >= 2 * 132 or splits[-1] * 2 > 4096 // tile[1]
+    # a k no tile's block divides: nothing to time
+    assert small_gemm.candidates(4096, 4100, 132) == []
+
+
+def test_refuses_what_it_does_not_take():
+    cfg = small_gemm.Config(64, 128, 1)
+    w = torch.randn(64, 256)
+    assert not small_gemm.supports(torch.randn(4, 256), w, None, cfg)  # 4 rows: the GEMV's
+    assert not small_gemm.supports(torch.randn(65, 256), w, None, cfg)  # past the last bucket
+    assert not small_gemm.supports(torch.randn(8, 200), torch.randn(64, 200), None, cfg)  # k % block_k
+    assert not small_gemm.supports(torch.randn(8, 256).half(), w, None, cfg)  # dtypes differ
+    assert not small_gemm.supports(torch.randn(256, 8).t(), w, None, cfg)  # x not unit-stride in k
+    assert not small_gemm.supports(torch.randn(8, 256), torch.randn(256, 64).t(), None, cfg)  # weight strided
+    assert not small_gemm.supports(torch.randn(8, 256), w, torch.randn(63), cfg)
+    assert small_gemm.supports(torch.randn(8, 256), w, torch.randn(64), cfg)
+
+
+def test_linear_off_cuda_is_torch_linear():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(20, 256, generator=g), torch.randn(64, 256, generator=g)
+    assert torch.equal(gemv.linear(x, w), nn.functional.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matches_float64_every_bucket_split_and_tail(interpret, dtype):
+    g = torch.Generator().manual_seed(3)
+    n, k = 200, 512  # 200: a ragged last column block of 64 and of 128
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    # x rows strided: a view of a wider buffer, as a slice of the fused q|k|v output would be
+    wide = torch.randn(64, k + 64, generator=g).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for m in (5, 16, 17, 33, 64):
+        x = wide[:m, :k]
+        for cfg in (small_gemm.Config(64, 128, 1), small_gemm.Config(128, 128, 2), small_gemm.Config(64, 64, 8),
+                    small_gemm.Config(64, 256, 3)):  # split 3 of 2 k blocks: clamped to 2
+            for bias in (None, b):
+                y = small_gemm.small_gemm(x, w, bias, cfg)
+                assert y.shape == (m, n) and y.dtype == dtype and torch.isfinite(y).all()
+                assert _rel_l2(y, _reference(x, w, bias)) < tol, (m, cfg, bias is None)
+    # every split launch left its column blocks' counters zero for the next one
+    assert all(int(c.abs().sum()) == 0 for c in small_gemm._COUNTERS.values())
+
+
+def test_a_row_does_not_depend_on_its_neighbours_in_the_bucket(interpret):
+    """Rows 0..19 of a 32-row call equal a 20-row call's: an eager step computes each row as its graph bucket."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(32, 256, generator=g), torch.randn(96, 256, generator=g)
+    cfg = small_gemm.Config(64, 64, 2)
+    assert torch.equal(small_gemm.small_gemm(x[:20], w, None, cfg), small_gemm.small_gemm(x, w, None, cfg)[:20])
+
+
+def test_poisoned_partials_and_output_never_leak(interpret, monkeypatch):
+    """Whatever the scratch and output memory held before (NaN here), a split launch writes every output element
+    from this launch's partials only."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*a, **kw):
+        return real_empty(*a, **kw).fill_(float("nan"))
+
+    monkeypatch.setattr(small_gemm.torch, "empty", poisoned_empty)
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(12, 384, generator=g), torch.randn(130, 384, generator=g)
+    y = small_gemm.small_gemm(x, w, None, small_gemm.Config(64, 128, 3))
+    assert torch.isfinite(y).all() and _rel_l2(y, _reference(x, w, None)) < 1e-5
+
+
+def test_refusal_message(interpret):
+    with pytest.raises(ValueError, match="small_gemm takes"):
+        small_gemm.small_gemm(torch.randn(3, 256), torch.randn(64, 256), None, small_gemm.Config(64, 128, 1))
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 1024)])
+def test_gpu_matches_float64(dtype, n, k):
+    from triton.runtime.errors import OutOfResources
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g)
+    b = torch.randn(n, device="cuda", dtype=dtype, generator=g)
+    for m in (5, 16, 32, 48, 64):
+        x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g)
+        for bias in (None, b):
+            ref = _reference(x, w, bias)
+            torch_err = _rel_l2(nn.functional.linear(x, w, bias), ref)
+            for cfg in small_gemm.candidates(n, k, 132):
+                try:
+                    y = small_gemm.small_gemm(x, w, bias, cfg)
+                except OutOfResources:
+                    # a tile the chooser skips at this row bucket: only one too large for 200 KB of stages
+                    assert (cfg.block_n + small_gemm.row_block(m)) * cfg.block_k * 2 * cfg.num_stages > 200 << 10
+                    continue
+                # one rounding of a float32 sum: as close as cuBLAS's result, within a rounding step
+                assert _rel_l2(y, ref) <= max(2 * torch_err, 4e-3), (m, cfg, bias is None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pdl_switch", ["0", "1"])
+def test_gpu_graph_replays_new_inputs(monkeypatch, pdl_switch):
+    """Captured split and unsplit launches replay with the inputs' new values, back to back (the counters each
+    launch leaves zero serve the next), with and without PDL."""
+    monkeypatch.setenv("KVGEN_PDL", pdl_switch)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(2, 32, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    cfgs = [small_gemm.Config(64, 128, 1), small_gemm.Config(64, 128, 4), small_gemm.Config(128, 128, 8)]
+    static = x[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        for c in cfgs:
+            small_gemm.small_gemm(static, w, None, c)
+        with torch.cuda.graph(graph, stream=stream):
+            outs = [small_gemm.small_gemm(static, w, None, c) for c in cfgs]
+    torch.cuda.current_stream().wait_stream(stream)
+    for i in (1, 0, 1):
+        static.copy_(x[i])
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = _reference(x[i], w, None)
+        for c, out in zip(cfgs, outs):
+            assert _rel_l2(out, ref) < 4e-3, (i, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_choose_keeps_only_faster_checked_kernels_and_linear_follows():
+    from kvgen.engine.config import ModelConfig
+    from kvgen.engine.weights import build_model, random_weights
+
+    gemv.clear()
+    cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=1024, hidden_size=2048, intermediate_size=4096,
+                                     num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                                     max_position_embeddings=512, rms_norm_eps=1e-5), "config")
+    net = random_weights(build_model(cfg, 512, torch.device("cuda"), torch.bfloat16), 0)
+    try:
+        choices = gemv.choose(net, [8, 16, 32, 48])
+        assert {c.rows for c in choices} == {16, 32, 64}  # 8 runs as 16, 48 as 64
+        chained = gemv.pdl.enabled(torch.empty(0, device="cuda"))
+        for c in choices:
+            assert c.config is None or isinstance(c.config, small_gemm.Config)
+            assert (c.config is not None) == gemv.prefers_gemv(c.gemv_ms, c.cublas_ms, chained)
+        o_proj = net.model.layers[0].self_attn.o_proj
+        x = torch.randn(20, 2048, device="cuda", dtype=torch.bfloat16)
+        o = next(c for c in choices if c.name == "o" and c.rows == 32)
+        want = (small_gemm.small_gemm(x, o_proj.weight, None, o.config) if o.config is not None
+                else nn.functional.linear(x, o_proj.weight))
+        assert torch.equal(gemv.linear(x, o_proj.weight), want)
+    finally:
+        gemv.clear()
