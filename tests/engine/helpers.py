@@ -92,3 +92,19 @@ def all_free(cache) -> bool:
         cache.wait_host_tier()  # pages a copy to the host still reads count as free once it ran
     pools = ["compressed", "residual", "host_compressed", "host_residual"]
     return not cache.sequences() and all(bm.num_free_pages(p) == bm._pool(p).size for p in pools)
+
+
+def sm90_build(script: str, timeout: int = 900):
+    """The JSON that ``tests/engine/<script>`` prints last, run in a fresh process without TRITON_INTERPRET (an
+    offline sm_90 compile: Triton fixes interpreter or compiled mode at import, and this session imported it for
+    the interpreter)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name(script))], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

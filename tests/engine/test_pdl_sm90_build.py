@@ -10,13 +10,9 @@ step at batch 32 on the H200). Without PDL neither instruction is there.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from .helpers import sm90_build
 
 pytest.importorskip("triton")
 
@@ -25,11 +21,7 @@ EARLY = {"add_rms_norm_kernel", "silu_mul_kernel"}
 
 @pytest.fixture(scope="module")
 def ptx_marks():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("pdl_sm90_build.py")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return sm90_build("pdl_sm90_build.py", timeout=600)
 
 
 @pytest.mark.parametrize("kernel", ["add_rms_norm_kernel", "silu_mul_kernel", "qkv_rope_kernel"])

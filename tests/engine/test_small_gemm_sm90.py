@@ -9,24 +9,16 @@ its own) and reads the SASS and PTX.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from .helpers import sm90_build
 
 pytest.importorskip("triton")
 
 
 @pytest.fixture(scope="module")
 def builds():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("small_gemm_sm90_build.py")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return sm90_build("small_gemm_sm90_build.py", timeout=900)
 
 
 def test_every_bucket_and_tile_was_built(builds):
