@@ -45,6 +45,35 @@ def test_greedy_continuous_batching_chunked_prefill_and_forks():
     assert all_free(cache)
 
 
+def test_a_long_prompt_is_cut_into_near_equal_chunks():
+    from kvgen.engine.scheduler import SHORT_CHUNK_FRACTION, chunk_tokens
+
+    assert [chunk_tokens(n, 24) for n in (0, 1, 24)] == [0, 1, 24]  # what fits goes whole
+    assert chunk_tokens(25, 24) == 13 and chunk_tokens(49, 24) == 24  # 13 + 12 (not 24 + 1); 24 + 13 + 12
+    assert chunk_tokens(30, 24) == 24  # a last chunk of 6 is long enough: 24 + 6
+    assert chunk_tokens(8225, 8181) == 4113  # the H200 case's last two: 4,113 + 4,112, not 8,181 + 44
+    for left in range(1, 200):
+        for budget in range(1, 40):
+            n = chunk_tokens(left, budget)
+            assert 1 <= n <= min(left, budget)
+            if left > budget:  # never more steps than full chunks take
+                assert 1 + -(-(left - n) // budget) == -(-left // budget)
+            if budget < left < budget + budget // SHORT_CHUNK_FRACTION:  # the last two differ by one token at most
+                assert n - (left - n) in (0, 1)
+            elif left > budget:
+                assert n == budget
+    cache = stories_cache(4096)
+    runner = TableRunner()
+    eng = fake_engine(cache, runner, max_num_batched_tokens=24)
+    prompt = [random.Random(2).randrange(64) for _ in range(50)]  # fed 24, 24 and 2 by full chunks
+    eng.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=3))
+    done = run_all(eng)
+    assert done["r"].outputs[0].token_ids == runner.greedy(prompt, 3)
+    # 50 tokens over a budget of 24: 24 + 13 + 13, then a decode step for each later token
+    assert [t for _, t, _ in runner.steps] == [24, 13, 13, 1, 1]
+    assert all_free(cache)
+
+
 def test_preemption_gives_the_same_tokens():
     runner = TableRunner(seed=1)
     rng = random.Random(1)
