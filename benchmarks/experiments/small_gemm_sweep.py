@@ -38,7 +38,7 @@ def wide_candidates(n: int, k: int, rows: int, num_sms: int):
         if k % bk:
             continue
         for stages in (3, 4, 6):
-            if (bn + bm) * bk * 2 * stages > SMEM:
+            if small_gemm.shared_bytes(small_gemm.Config(bn, bk, 1, 4, stages), bm) > SMEM:
                 continue
             for warps in ((4, 8) if bn >= 128 else (4,)):
                 tiles, blocks, split = -(-n // bn), k // bk, 1

@@ -204,9 +204,10 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
     (the GEMV up to MAX_ROWS rows, the small GEMM past them) or cuBLAS.
 
     Does nothing (returns []) off CUDA; without the GEMV's build (one warning) cuBLAS keeps the buckets of up
-    to MAX_ROWS rows; with ``KVGEN_GEMV=0`` it also forgets every earlier choice. A small-GEMM config that does
-    not compile on this GPU (out of shared memory) is skipped. Call it before CUDA graphs are captured over the
-    model: captured calls keep what ran then.
+    to MAX_ROWS rows, and under TRITON_INTERPRET those past it; with ``KVGEN_GEMV=0`` it also forgets every
+    earlier choice. Small-GEMM tiles whose stages exceed the GPU's shared memory are not timed, and a config
+    that fails to build or run is skipped (one warning for all). Call it before CUDA graphs are captured over
+    the model: captured calls keep what ran then.
     """
     if not enabled():
         clear()  # choices an earlier model made in this process stop too
@@ -230,8 +231,14 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
             warnings.warn(f"kvgen: the small-batch GEMV is unavailable ({exc}); cuBLAS runs the projections of "
                           f"up to {MAX_ROWS} rows", stacklevel=2)
             buckets = [b for b in buckets if b > MAX_ROWS]
-    num_sms = torch.cuda.get_device_properties(first.device).multi_processor_count
+    from kvgen.runtime.env import triton_interpret
+
+    if triton_interpret():  # Triton kernels run on the CPU here: the small GEMM cannot take CUDA tensors
+        buckets = [b for b in buckets if b <= MAX_ROWS]
+    props = torch.cuda.get_device_properties(first.device)
+    shared_limit = getattr(props, "shared_memory_per_block_optin", None)
     decided: list[Choice] = []
+    skipped: list[str] = []
     gen = torch.Generator(device=first.device).manual_seed(0)
     for name, pairs in groups:
         w0, b0 = pairs[0]
@@ -242,7 +249,8 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
                         if all(supports(x, w, b) for w, b in pairs)}
             else:
                 runs = {c: functools.partial(small_gemm.small_gemm, config=c)
-                        for c in small_gemm.candidates(w0.shape[0], w0.shape[1], num_sms)
+                        for c in small_gemm.candidates(w0.shape[0], w0.shape[1], props.multi_processor_count, m,
+                                                       shared_limit)
                         if all(small_gemm.supports(x, w, b, c) for w, b in pairs)}
             if not runs:
                 continue
@@ -257,7 +265,12 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
                     if _rel_l2(run(x, w0, b0), want) > CHECK_REL_L2:
                         continue  # a broken build or config: never used
                 except OutOfResources:
-                    continue  # a small-GEMM tile this GPU's shared memory does not hold
+                    continue  # a small-GEMM tile this GPU's shared memory does not hold after all
+                except Exception as exc:  # a small-GEMM config Triton cannot build for this GPU: cuBLAS keeps it
+                    if m <= MAX_ROWS:
+                        raise
+                    skipped.append(f"{config.describe()}: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
                 ms = graph_time_ms(cycling(pairs, lambda wb, run=run: run(x, *wb)))
                 if best_ms is None or ms < best_ms:
                     best, best_ms = config, ms
@@ -265,6 +278,9 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
             if use is not None:
                 _CHOICES[key] = use
             decided.append(Choice(name, m, tuple(w0.shape), cublas_ms, best_ms, use))
+    if skipped:
+        warnings.warn(f"kvgen: {len(skipped)} small-GEMM configs failed to build or run and were skipped, e.g. "
+                      f"{skipped[0]}", stacklevel=2)
     if verbose and decided:
         used = [c for c in decided if c.config is not None]
         print(f"kvgen: kvgen's small-batch kernels for {len(used)} of {len(decided)} projection shapes"

@@ -12,8 +12,9 @@ The elementwise work between the GEMMs runs as four fused kernels per
 layer (:mod:`.fused`): residual add + RMSNorm twice, q/k/v split + q/k
 norm + RoPE into contiguous q, k, v (what the cache write and attention
 read, so no copies), and SiLU(gate) * up. The projections go through
-:func:`.gemv.linear`: ``nn.functional.linear``, or for the few rows of a
-small decode batch kvgen's GEMV where the decode graphs found it faster.
+:func:`.gemv.linear`: ``nn.functional.linear``, or for the rows of a
+small decode batch (up to 64) kvgen's GEMV or small GEMM where the decode
+graphs found it faster.
 
 ``forward(input_ids, positions, attend)`` runs every layer over the step's
 flat tokens; ``attend(layer, q, k, v)`` (``q [T, Hq, D]``, ``k``/``v``

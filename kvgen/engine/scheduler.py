@@ -96,7 +96,8 @@ def chunk_tokens(left: int, budget: int) -> int:
 
     All of them when they fit, else the whole budget, except where a full chunk now would leave a last chunk
     shorter than ``budget / SHORT_CHUNK_FRACTION``: then half of what is left, so the last two chunks are
-    near-equal. A short last chunk reads the whole prompt through a query block or two (one program a KV head
+    near-equal (at this step's budget; the next step's may differ). Never more than ``budget``; at least 1
+    when ``left`` is. A short last chunk reads the whole prompt through a query block or two (one program a KV head
     each, no split of the keys): on an H200, 44 tokens over a 32K-token int4 prefix took 221 ms, against 35 with
     bf16 KV and 230-460 ms for each 8K-token chunk before it
     (benchmarks/results/2026-12-04-nvidia-h200-4/mixed-step/). Only then: an even cut leaves budget over in two

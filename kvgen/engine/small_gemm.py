@@ -13,8 +13,14 @@ kernel). Whether it runs for a projection is :func:`.gemv.choose`'s
 decision, by timing it against cuBLAS.
 
 Rows are bucketed by the kernel's ``BLOCK_M`` (:data:`ROW_BLOCKS`): every
-row count in a bucket runs the same binary and config, so an eager step of
-20 rows computes each row as the graph of 32 does.
+row count in a bucket runs the same config and tile, so an eager step of 20
+rows sums each row in the order the graph of 32 does.
+
+Launches that share this module's arrival counters must not overlap in
+their counter and partial accesses. kvgen runs them on one stream: plain
+launches run in order, and a PDL launch overlaps the kernel before it only
+up to its ``griddepcontrol.wait``, which precedes every counter, partial
+and x access.
 """
 
 from __future__ import annotations
@@ -57,17 +63,27 @@ benchmarks/results/2026-12-04-nvidia-h200-4): 64-column blocks for the narrow q/
 gate/up and the LM head. A tile whose stages do not fit the GPU's shared memory at a row bucket is skipped."""
 
 
+def shared_bytes(config: Config, block_m: int) -> int:
+    """The shared memory a launch's pipeline stages take (its weight and x tiles), about what Triton asks for."""
+    return (config.block_n + block_m) * config.block_k * 2 * config.num_stages
+
+
 def row_block(rows: int) -> int:
     """The BLOCK_M instance that runs ``rows`` rows (``MIN_ROWS <= rows <= MAX_ROWS``)."""
     return next(b for b in ROW_BLOCKS if rows <= b)
 
 
-def candidates(n: int, k: int, num_sms: int) -> list[Config]:
+def candidates(n: int, k: int, num_sms: int, rows: int | None = None,
+               shared_limit: int | None = None) -> list[Config]:
     """The configs worth timing for a ``[n, k]`` weight on ``num_sms`` SMs: per tile of :data:`TILES` whose block
-    divides k, the k splits from none up to the first that puts two programs on every SM."""
+    divides k (and, given ``rows`` and ``shared_limit`` bytes, whose stages fit at that row bucket:
+    :func:`shared_bytes`), the k splits from none up to the first that puts two programs on every SM."""
     out = []
     for block_n, block_k, stages, warps in TILES:
         if k % block_k:
+            continue
+        if rows is not None and shared_limit is not None and shared_bytes(
+                Config(block_n, block_k, 1, warps, stages), row_block(rows)) > shared_limit:
             continue
         tiles, blocks = -(-n // block_n), k // block_k
         split = 1
@@ -110,15 +126,20 @@ _RETIRED: list[torch.Tensor] = []  # outgrown buffers, kept: a captured CUDA gra
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 arrival counters, at least ``n``, for launches on ``device``'s current stream.
 
-    One buffer per (device, stream): launches on one stream run in order and each leaves its counters zero,
-    so they are reused without a memset; two streams get separate buffers. A buffer only grows; an outgrown one
-    is kept, never freed, since a graph captured with it still counts there. The graph warm-ups (and the
-    chooser's timer) launch on the capture stream first, so a capture finds its buffer made.
+    One buffer per (device, stream): each launch leaves its counters zero, so they are reused without a
+    memset (the module docstring says which launches may share them). A buffer only grows; an outgrown one is
+    kept, never freed, since a graph captured with it still counts there. A CUDA graph keeps the buffer of the
+    stream it was captured on, wherever it replays. None is made during a capture (its zeroing would run only
+    when that graph replays): the decode graphs and the chooser's timer launch on the capture stream before
+    capturing, and a capture without that warm-up raises.
     """
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device.type, device.index, stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("kvgen's small GEMM needs its arrival counters before a CUDA graph capture: run "
+                               "the captured calls once on the capture stream first (a warm-up)")
         if buf is not None:
             _RETIRED.append(buf)
         buf = torch.zeros(max(n, 2 * (0 if buf is None else buf.numel()), 1024), dtype=torch.int32, device=device)
@@ -130,7 +151,9 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """``x [m, K] @ weight [N, K]^T (+ bias)`` -> a new ``[m, N]`` in x's dtype; float32 accumulation, one rounding.
 
     Runs on CUDA, or under the Triton interpreter on the CPU (tests). No host synchronization: CUDA graphs
-    capture it. Raises ValueError for tensors or a config it does not take (:func:`supports`).
+    capture it (after a warm-up on the capture stream: :func:`_arrival_counters`). Raises ValueError for
+    tensors or a config it does not take (:func:`supports`), and Triton's OutOfResources at the first launch of
+    a tile whose stages do not fit this GPU's shared memory.
     """
     interpret = triton_interpret()
     if not supports(x, weight, bias, config) or x.device.type != ("cpu" if interpret else "cuda"):

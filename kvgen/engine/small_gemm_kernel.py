@@ -31,8 +31,8 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
     SPLIT (``split_k`` > 1 programs along the grid's second axis): each program writes its float32 partial
     ``[BLOCK_M, BLOCK_N]`` to ``part_ptr`` (one slot per (pid_k, pid_n)), then counts itself in on the column
     block's arrival counter; the last to arrive sums the partials in split order (the result does not depend on
-    arrival order), writes the output and zeroes the counter for the next launch (launches on a stream run in
-    order). No second kernel, no memset.
+    arrival order), writes the output and zeroes the counter for the next launch (:mod:`.small_gemm` says which
+    launches may share counters). No second kernel, no memset.
     Contract (the launcher checks it): k % BLOCK_K == 0, w row-major ``[n, k]``, x rows unit-stride in k.
 
     The strides are specialized (Triton learns that a row stride is a multiple of 16 elements): with x's row

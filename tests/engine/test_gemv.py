@@ -10,6 +10,8 @@ only what it timed faster and checked.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -135,8 +137,10 @@ def test_choose_keeps_only_faster_checked_gemvs_and_linear_follows():
                                      max_position_embeddings=512, rms_norm_eps=1e-5), "config")
     net = random_weights(build_model(cfg, 512, torch.device("cuda"), torch.bfloat16), 0)
     choices = gemv.choose(net, [1, 2, 3, 4, 8])
-    assert {c.rows for c in choices} == {1, 2, 4, 16}  # 3 runs as 4; 8 as the small GEMM's bucket of 16
-    assert len(choices) == 5 * 4  # five groups at 1, 2, 4 and 16 rows
+    # 3 runs as 4; 8 as the small GEMM's bucket of 16 (a Triton kernel: not under the interpreter)
+    rows = {1, 2, 4} if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else {1, 2, 4, 16}
+    assert {c.rows for c in choices} == rows
+    assert len(choices) == 5 * len(rows)  # five groups at each
     for c in choices:
         chained = gemv.pdl.enabled(torch.empty(0, device="cuda"))
         assert c.cublas_ms > 0 and (c.config is not None) == gemv.prefers_gemv(c.gemv_ms, c.cublas_ms, chained)

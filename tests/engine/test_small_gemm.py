@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kvgen.engine import gemv, small_gemm
+from tests.kernels.harness import require_cuda
 
 
 def _reference(x, w, b):
@@ -48,6 +49,12 @@ def test_row_buckets_and_candidates():
         assert -(-4096 // tile[0]) * splits[-1] >= 2 * 132 or splits[-1] * 2 > 4096 // tile[1]
     # a k no tile's block divides: nothing to time
     assert small_gemm.candidates(4096, 4100, 132) == []
+    # tiles whose stages exceed the shared memory at a row bucket are left out
+    limit = 227 << 10
+    fit64 = small_gemm.candidates(4096, 4096, 132, 64, limit)
+    assert fit64 and len(fit64) < len(cands)
+    assert all(small_gemm.shared_bytes(c, 64) <= limit for c in fit64)
+    assert {(c.block_n, c.block_k) for c in cands} - {(c.block_n, c.block_k) for c in fit64}
 
 
 def test_refuses_what_it_does_not_take():
@@ -127,6 +134,7 @@ def test_refusal_message(interpret):
 def test_gpu_matches_float64(dtype, n, k):
     from triton.runtime.errors import OutOfResources
 
+    require_cuda()
     g = torch.Generator(device="cuda").manual_seed(n + k)
     w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g)
     b = torch.randn(n, device="cuda", dtype=dtype, generator=g)
@@ -139,8 +147,9 @@ def test_gpu_matches_float64(dtype, n, k):
                 try:
                     y = small_gemm.small_gemm(x, w, bias, cfg)
                 except OutOfResources:
-                    # a tile the chooser skips at this row bucket: only one too large for 200 KB of stages
-                    assert (cfg.block_n + small_gemm.row_block(m)) * cfg.block_k * 2 * cfg.num_stages > 200 << 10
+                    # a tile the chooser does not time at this row bucket (its stages exceed the shared memory)
+                    limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+                    assert small_gemm.shared_bytes(cfg, small_gemm.row_block(m)) > limit, cfg
                     continue
                 # one rounding of a float32 sum: as close as cuBLAS's result, within a rounding step
                 assert _rel_l2(y, ref) <= max(2 * torch_err, 4e-3), (m, cfg, bias is None)
@@ -151,7 +160,8 @@ def test_gpu_matches_float64(dtype, n, k):
 @pytest.mark.parametrize("pdl_switch", ["0", "1"])
 def test_gpu_graph_replays_new_inputs(monkeypatch, pdl_switch):
     """Captured split and unsplit launches replay with the inputs' new values, back to back (the counters each
-    launch leaves zero serve the next), with and without PDL."""
+    launch leaves zero serve the next), with and without PDL; a capture that would make its counters raises."""
+    require_cuda()
     monkeypatch.setenv("KVGEN_PDL", pdl_switch)
     g = torch.Generator(device="cuda").manual_seed(7)
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -174,11 +184,18 @@ def test_gpu_graph_replays_new_inputs(monkeypatch, pdl_switch):
         ref = _reference(x[i], w, None)
         for c, out in zip(cfgs, outs):
             assert _rel_l2(out, ref) < 4e-3, (i, c)
+    # a capture with no warm-up on its stream (no counters made yet) refuses rather than count into memory
+    # that only the graph's replay would zero
+    monkeypatch.setattr(small_gemm, "_COUNTERS", {})
+    with pytest.raises(RuntimeError, match="before a CUDA graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+            small_gemm.small_gemm(static, w, None, cfgs[1])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_choose_keeps_only_faster_checked_kernels_and_linear_follows():
+    require_cuda()
     from kvgen.engine.config import ModelConfig
     from kvgen.engine.weights import build_model, random_weights
 
