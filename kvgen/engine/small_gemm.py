@@ -104,7 +104,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
     K = weight.shape[1]
     # float32 only under the interpreter (tests): on a GPU tl.dot would round its inputs to tf32
     if (x.dtype not in _DTYPES or (x.dtype == torch.float32 and x.is_cuda) or weight.dtype != x.dtype
-            or x.shape[1] != K or K % config.block_k or x.device != weight.device or not weight.is_contiguous() or x.stride(1) != 1):
+            or x.shape[1] != K or K % config.block_k or x.device != weight.device or not weight.is_contiguous()
+            or x.stride(1) != 1):
         return False
     return bias is None or (bias.dtype == x.dtype and bias.shape == (weight.shape[0],) and bias.stride(0) == 1
                             and bias.device == x.device)
