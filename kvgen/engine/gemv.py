@@ -121,6 +121,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"strides {x.stride()}, weight {list(weight.shape)} {weight.dtype} strides {weight.stride()}")
     if not 0 <= config < len(CONFIGS):
         raise ValueError(f"config must be 0..{len(CONFIGS) - 1}, got {config}")
+    return _launch(x, weight, bias, config)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: int) -> torch.Tensor:
+    """:func:`gemv` without its checks (the caller checked :func:`supports` and ``config``)."""
     m, (N, K) = x.shape[0], weight.shape
     out = torch.empty(m, N, dtype=x.dtype, device=x.device)
     rc = _function(x.device)(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
@@ -138,11 +143,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     shape and row bucket."""
     if x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_CHOICE_ROWS and _CHOICES:
         config = _CHOICES.get(_key(x, weight, bias))
+        # one check of the tensors a call (chosen configs are valid ones), not one here and one in the kernel's
+        # public function: an eager step makes some 200 of these calls
         if isinstance(config, small_gemm.Config):
             if small_gemm.supports(x, weight, bias, config):
-                return small_gemm.small_gemm(x, weight, bias, config)
+                return small_gemm.launch_supported(x, weight, bias, config)
         elif config is not None and supports(x, weight, bias):
-            return gemv(x, weight, bias, config)
+            return _launch(x, weight, bias, config)
     return nn.functional.linear(x, weight, bias)
 
 

@@ -162,6 +162,13 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          f"contiguous weight [N, K] of one dtype on one device (CUDA, or the CPU under "
                          f"TRITON_INTERPRET), K a multiple of {config.block_k}; got x {list(x.shape)} {x.dtype} "
                          f"strides {x.stride()} on {x.device}, weight {list(weight.shape)} {weight.dtype}")
+    return launch_supported(x, weight, bias, config, interpret)
+
+
+def launch_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config,
+                     interpret: bool = False) -> torch.Tensor:
+    """:func:`small_gemm` without its checks, for a caller that has checked :func:`supports` (``gemv.linear``,
+    once a projection call); ``interpret``: the Triton interpreter runs it (CPU tensors)."""
     m, (N, K) = x.shape[0], weight.shape
     bm = row_block(m)
     out = torch.empty(m, N, dtype=x.dtype, device=x.device)
