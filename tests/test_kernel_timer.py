@@ -82,17 +82,29 @@ def test_the_runtime_bench_cycles_through_disjoint_cold_page_sets(tmp_path, monk
     one_set = B * pages * page_bytes(cache.pools[0])
     monkeypatch.setattr(kernel_timer, "l2_bytes", lambda device: one_set)  # -> COLD_FACTOR + 1 tables
     n = COLD_FACTOR + 1
-    seen = []
+    seen, lens = [], []
     probe = types.ModuleType("probe")
-    probe.launch = lambda q, out, pools, bt, *rest, **kw: seen.append((q, pools, bt))
+
+    def launch(q, out, pools, bt, seq_lens, *rest, **kw):
+        seen.append((q, pools, bt))
+        lens.append(seq_lens)
+    probe.launch = launch
     fn = cache._bench("decode", (B, S), None, probe)
-    assert fn.cycle == n
-    for _ in range(2 * n + 1):
+    cycle = n if n % 2 == 0 else 2 * n  # whole turns through the tables and through the two lengths
+    assert fn.cycle == cycle
+    for _ in range(2 * cycle + 1):
         fn()
     tables = [bt for *_, bt in seen]
     assert len({id(t) for t in tables}) == n
     assert all(tables[i] is tables[i % n] for i in range(len(tables)))
     assert all(t.shape == (B, pages) for t in tables)
+    # the bucket's length and half of it (the inputs' "seq_lens" and "half_lens", made once: the cache here
+    # lives on the meta device), alternating; every table meets both when the count of tables is odd
+    made = cache._bench_inputs[1]
+    assert made["seq_lens"].shape == made["half_lens"].shape == (B,) and made["seq_lens"] is not made["half_lens"]
+    assert all(x is (made["seq_lens"] if i % 2 == 0 else made["half_lens"]) for i, x in enumerate(lens))
+    if n % 2:
+        assert {(i % n, i % 2) for i in range(cycle)} == {(k, j) for k in range(n) for j in range(2)}
     scratch = seen[0][1]
     assert all(p is scratch for _, p, _ in seen) and scratch is not cache.pools[0]
     assert set(scratch) == set(cache.pools[0]) and all(scratch[k].shape[0] == n * B * pages + 1 for k in scratch)

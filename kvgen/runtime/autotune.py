@@ -20,7 +20,7 @@ No timing happens on the request path by default: tune ahead of time with
 :func:`tune` (``kvgen tune``). Winners are written to::
 
     <cache_dir>/autotune/<kernel hash>-<template tag>__<device slug>__triton-<version>__f<FORMAT>.json
-    {"format": 3, "kernel_hash": ..., "device": ..., "triton": ...,
+    {"format": 4, "kernel_hash": ..., "device": ..., "triton": ...,
      "entries": {"decode/b8/s1024": {"config": {...}, "ms": 0.031, "candidates": 8, "seconds": 2.1},
                  "backend/decode/<digest>": {"backend": "cuda", "variants": {...}, "ms": {...}, "shapes": [...]}}}
 
@@ -67,10 +67,11 @@ from .autotune_model import MAX_CANDIDATES, model_config, ranked_candidates, val
 from .kernel_timer import graph_time_ms
 from .env import autotune_mode, cache_dir, triton_interpret
 
-FORMAT = 3
-"""3: timed on cold inputs (:func:`.kernel_timer.cold_page_tables`), and the format in the file name. Files of
-earlier formats (no ``__f`` suffix) are not read: their warm timings favoured kernels that reuse L2 over
-ones a model's layer runs faster."""
+FORMAT = 4
+"""4: decode timed as the mean of the bucket's length and half of it (``KVCache._bench``), whose winner may
+differ from a winner at the length alone. 3: timed on cold inputs (:func:`.kernel_timer.cold_page_tables`), and
+the format in the file name. Files of other formats are not read (those before 3 have no ``__f`` suffix): their
+warm timings favoured kernels that reuse L2 over ones a model's layer runs faster."""
 CHOICE_PREFIX = "backend/"
 """Entries under this prefix hold a backend choice (:mod:`.backend_choice`), not a bucket's winner."""
 BUDGET_S = 5.0

@@ -184,6 +184,16 @@ class KernelConfigMixin:
         Successive calls cycle through the block tables of
         :func:`.kernel_timer.cold_page_tables` (``call.cycle`` of them), so a
         bucket smaller than L2 is timed cold, as a model's layer runs it.
+
+        Decode calls alternate between sequences of the bucket's length and
+        of half of it: a decode bucket serves every length in ``(S/2, S]``
+        (a CUDA graph's config every length up to its longest), so a timing
+        is the mean over the two ends and the winner the config best over
+        the range. Timed at its end alone, int4 at 32 x 4096 (Llama-3-8B's
+        heads, H200) ranked 4 warps and 2 splits within 2.4% of 8 warps and
+        1 split and chose them; at 2048 tokens, where the engine's benchmark
+        runs that graph, they cost 6% more (39.6 against 37.3 us,
+        benchmarks/results/2026-12-04-nvidia-h200-5).
         """
         from .autotune import bucket
         from .kernel_timer import cold_page_tables, cycling
@@ -204,6 +214,7 @@ class KernelConfigMixin:
             pools, tables = cold_page_tables(self.pools[0], B, pages, nc, read)
             t: dict[str, Any] = {"pools": pools, "bts": tables,
                                  "seq_lens": torch.full((B,), S, dtype=torch.int32, device=dev),
+                                 "half_lens": torch.full((B,), max(1, S // 2), dtype=torch.int32, device=dev),
                                  "ncomp": torch.full((B,), nc, dtype=torch.int32, device=dev)}
             rows = B if op == "decode" else B * Q
             t["q"] = torch.randn(rows, self.num_q_heads, self.head_dim, device=dev, dtype=self.dtype)
@@ -222,8 +233,12 @@ class KernelConfigMixin:
         pools = t["pools"]
         mod = module if module is not None else self.kernels[op]
         if op == "decode":
-            return cycling(t["bts"], lambda bt: mod.launch(t["q"], t["out"], pools, bt, t["seq_lens"], t["ncomp"],
-                                                           self.sm_scale, config=config))
+            # (table, lengths) in turn: every table in order, lengths alternating, a whole number of both
+            n = len(t["bts"])
+            turns = [(t["bts"][i % n], t["seq_lens"] if i % 2 == 0 else t["half_lens"])
+                     for i in range(n if n % 2 == 0 else 2 * n)]
+            return cycling(turns, lambda turn: mod.launch(t["q"], t["out"], pools, turn[0], turn[1], t["ncomp"],
+                                                          self.sm_scale, config=config))
         # The chunk's own K/V fresh, as prefill(layer, q, k, v) -- the usual call -- runs the kernel.
         return cycling(t["bts"], lambda bt: mod.launch(t["q"], t["out"], pools, bt, t["seq_lens"], t["ncomp"], t["cu"],
                                                        Q, self.sm_scale, config=config, k_new=t["k_new"],

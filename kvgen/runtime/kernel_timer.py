@@ -118,9 +118,10 @@ def cold_page_tables(pool: Mapping[str, torch.Tensor], batch: int, pages: int, c
     return pool, tables
 
 
-def cycling(tables: list[torch.Tensor], launch: Callable[[torch.Tensor], Any]) -> Callable[[], Any]:
+def cycling(tables: list[Any], launch: Callable[[Any], Any]) -> Callable[[], Any]:
     """A zero-argument call that runs ``launch(table)`` on each of ``tables`` in turn (those of
-    :func:`cold_page_tables`), with ``cycle`` set so that :func:`graph_time_ms` captures whole turns."""
+    :func:`cold_page_tables`, or anything a launch takes per call), with ``cycle`` set so that
+    :func:`graph_time_ms` captures whole turns."""
     turn = itertools.count()
 
     def call() -> Any:
