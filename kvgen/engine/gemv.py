@@ -16,8 +16,10 @@ CUDA graph cycling over the group's weights (each call finds its weights
 cold, as in a step), checks the winner against cuBLAS's output, and keeps
 the faster; where the graphs launch the GEMV with PDL, cuBLAS must be faster
 by :data:`PDL_CHAIN_MS`, what it costs the chain (:func:`prefers_gemv`).
-Choices are per process and device, keyed by shape and dtype; nothing else
-changes: larger batches, other devices, the CPU and the interpreter run
+Choices are per process and device, keyed by shape and dtype, and
+remembered across starts (:mod:`.projection_store`: a later start on the
+same GPU and versions checks them instead of timing); nothing else changes:
+larger batches, other devices, the CPU and the interpreter run
 ``nn.functional.linear``. ``KVGEN_GEMV=0`` turns both kernels
 off (comparisons); a missing nvcc with no library built before turns the GEMV off.
 
@@ -34,6 +36,7 @@ import ctypes
 import functools
 import os
 import sys
+import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -42,7 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import pdl, small_gemm
+from . import pdl, projection_store, small_gemm
 
 SOURCE = Path(__file__).with_name("gemv.cu")
 ABI_VERSION = 2
@@ -206,7 +209,66 @@ def prefers_gemv(gemv_ms: float | None, cublas_ms: float, chained: bool) -> bool
     return gemv_ms < cublas_ms + (PDL_CHAIN_MS if chained else 0.0)
 
 
-def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> list[Choice]:
+def store(device: torch.device) -> projection_store.ProjectionStore:
+    """Where :func:`choose` remembers its decisions on ``device`` across starts (:mod:`.projection_store`), keyed
+    by everything they depend on besides the kernels' sources."""
+    from kvgen.runtime.autotune import Autotuner
+
+    constants = {"ABI_VERSION": ABI_VERSION, "CONFIGS": CONFIGS, "PDL_CHAIN_MS": PDL_CHAIN_MS,
+                 "CHECK_REL_L2": CHECK_REL_L2, "TILES": small_gemm.TILES, "ROW_BLOCKS": small_gemm.ROW_BLOCKS,
+                 "MIN_ROWS": small_gemm.MIN_ROWS}
+    return projection_store.ProjectionStore(Autotuner(device, progress=False), constants)
+
+
+def _recall(saved: projection_store.ProjectionStore | None, entry_key: str, runs: dict, x: torch.Tensor,
+            w: torch.Tensor, b: torch.Tensor | None, want: torch.Tensor) -> tuple | None:
+    """``(choice, cublas_ms, kvgen_ms)`` remembered for this projection and still good -- cuBLAS, or a config
+    :func:`choose` offers today whose output here matches cuBLAS's --, else None (time it)."""
+    if saved is None:
+        return None
+    choice, cublas_ms, ours = saved.recall(entry_key)
+    if choice is projection_store.MISSING or (choice is not None and choice not in runs):
+        return None
+    if choice is not None:
+        try:
+            if not _rel_l2(runs[choice](x, w, b), want) <= CHECK_REL_L2:
+                return None
+        except Exception:  # a remembered config this build cannot run after all: timed afresh below
+            return None
+    return choice, cublas_ms, ours
+
+
+def _time(pairs: list, x: torch.Tensor, m: int, runs: dict, want: torch.Tensor, skipped: list[str]) -> tuple:
+    """``(choice, cublas_ms, kvgen_ms)`` for one projection group at ``m`` rows: cuBLAS and every config of
+    ``runs`` whose output checks out, each timed over the group's weights (every call finds its weights cold:
+    whole turns over the group's layers); the choice is None where cuBLAS keeps it (:func:`prefers_gemv`). A
+    small-GEMM config that fails to build or run goes to ``skipped``."""
+    from triton.runtime.errors import OutOfResources
+
+    from kvgen.runtime.kernel_timer import cycling, graph_time_ms
+
+    w0, b0 = pairs[0]
+    cublas_ms = graph_time_ms(cycling(pairs, lambda wb: nn.functional.linear(x, *wb)))
+    best, best_ms = None, None
+    for config, run in runs.items():
+        try:
+            if _rel_l2(run(x, w0, b0), want) > CHECK_REL_L2:
+                continue  # a broken build or config: never used
+        except OutOfResources:
+            continue  # a small-GEMM tile this GPU's shared memory does not hold after all
+        except Exception as exc:  # a small-GEMM config Triton cannot build for this GPU: cuBLAS keeps it
+            if m <= MAX_ROWS:
+                raise
+            skipped.append(f"{config.describe()}: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        ms = graph_time_ms(cycling(pairs, lambda wb, run=run: run(x, *wb)))
+        if best_ms is None or ms < best_ms:
+            best, best_ms = config, ms
+    return (best if prefers_gemv(best_ms, cublas_ms, pdl.enabled(x)) else None), cublas_ms, best_ms
+
+
+def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False,
+           saved: projection_store.ProjectionStore | None = None) -> list[Choice]:
     """Decide, per projection group of ``model`` and row bucket of ``rows`` (<= MAX_CHOICE_ROWS), kvgen's kernel
     (the GEMV up to MAX_ROWS rows, the small GEMM past them) or cuBLAS.
 
@@ -214,7 +276,8 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
     to MAX_ROWS rows, and under TRITON_INTERPRET those past it; with ``KVGEN_GEMV=0`` it also forgets every
     earlier choice. Small-GEMM tiles whose stages exceed the GPU's shared memory are not timed, and a config
     that fails to build or run is skipped (one warning for all). Call it before CUDA graphs are captured over
-    the model: captured calls keep what ran then.
+    the model: captured calls keep what ran then. ``saved`` (:func:`store`): decisions remembered from an
+    earlier start are used without timing once their output checks out, and new ones are remembered.
     """
     if not enabled():
         clear()  # choices an earlier model made in this process stop too
@@ -226,10 +289,7 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
     first = groups[0][1][0][0]
     if not first.is_cuda or first.dtype not in _DTYPES:
         return []
-    from triton.runtime.errors import OutOfResources
-
     from kvgen.runtime.cuda_loader import CudaBuildError
-    from kvgen.runtime.kernel_timer import cycling, graph_time_ms
 
     if buckets[0] <= MAX_ROWS:
         try:
@@ -244,6 +304,8 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
         buckets = [b for b in buckets if b <= MAX_ROWS]
     props = torch.cuda.get_device_properties(first.device)
     shared_limit = getattr(props, "shared_memory_per_block_optin", None)
+    started = time.perf_counter()
+    recalled = 0
     decided: list[Choice] = []
     skipped: list[str] = []
     gen = torch.Generator(device=first.device).manual_seed(0)
@@ -263,25 +325,15 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
                 continue
             key = _key(x, w0, b0)
             _CHOICES.pop(key, None)
-            # every call finds its weights cold: whole turns over the group's layers
-            cublas_ms = graph_time_ms(cycling(pairs, lambda wb: nn.functional.linear(x, *wb)))
             want = nn.functional.linear(x, w0, b0)
-            best, best_ms = None, None
-            for config, run in runs.items():
-                try:
-                    if _rel_l2(run(x, w0, b0), want) > CHECK_REL_L2:
-                        continue  # a broken build or config: never used
-                except OutOfResources:
-                    continue  # a small-GEMM tile this GPU's shared memory does not hold after all
-                except Exception as exc:  # a small-GEMM config Triton cannot build for this GPU: cuBLAS keeps it
-                    if m <= MAX_ROWS:
-                        raise
-                    skipped.append(f"{config.describe()}: {type(exc).__name__}: {str(exc)[:200]}")
-                    continue
-                ms = graph_time_ms(cycling(pairs, lambda wb, run=run: run(x, *wb)))
-                if best_ms is None or ms < best_ms:
-                    best, best_ms = config, ms
-            use = best if prefers_gemv(best_ms, cublas_ms, pdl.enabled(x)) else None
+            entry_key = projection_store.key(name, tuple(w0.shape), w0.dtype, b0 is not None, m, pdl.enabled(x))
+            got = _recall(saved, entry_key, runs, x, w0, b0, want)
+            recalled += got is not None
+            if got is None:
+                got = _time(pairs, x, m, runs, want, skipped)
+                if saved is not None:
+                    saved.remember(entry_key, *got)
+            use, cublas_ms, best_ms = got
             if use is not None:
                 _CHOICES[key] = use
             decided.append(Choice(name, m, tuple(w0.shape), cublas_ms, best_ms, use))
@@ -290,7 +342,8 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False) -> l
                       f"{skipped[0]}", stacklevel=2)
     if verbose and decided:
         used = [c for c in decided if c.config is not None]
-        print(f"kvgen: kvgen's small-batch kernels for {len(used)} of {len(decided)} projection shapes"
+        print(f"kvgen: kvgen's small-batch kernels for {len(used)} of {len(decided)} projection shapes "
+              f"({recalled} remembered from an earlier start; {time.perf_counter() - started:.1f} s)"
               + (": " + "; ".join(c.describe() for c in used) if used else ""), file=sys.stderr)
     return decided
 

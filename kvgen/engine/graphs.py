@@ -22,7 +22,8 @@ runtime (the same model code). The decode config is fixed at capture: the
 runtime's choice for the bucket's batch at the longest context
 (``KVCache.kernel_config``). Before the first capture the buckets of up to
 :data:`.gemv.MAX_CHOICE_ROWS` rows time cuBLAS against kvgen's GEMV (up to
-4 rows) or small GEMM for each projection shape (:func:`.gemv.choose`);
+4 rows) or small GEMM for each projection shape (:func:`.gemv.choose`;
+a later start on the same GPU reuses those decisions: :mod:`.projection_store`);
 the graphs keep what won. On Hopper every kvgen kernel of a graph (the
 fused elementwise kernels, the GEMV and small GEMM, the runtime's cache
 write, page quantize and decode) launches with
@@ -85,7 +86,7 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(dev) if capture else None
         # the projections' kernel per small bucket, decided before any capture keeps it (what won, and the times)
         self.gemv_choices = gemv.choose(model, [b for b in self.buckets if b <= gemv.MAX_CHOICE_ROWS],
-                                        verbose=verbose) if capture else []
+                                        verbose=verbose, saved=gemv.store(dev)) if capture else []
         for i, key in enumerate(variants):
             b = key[0]
             if verbose:

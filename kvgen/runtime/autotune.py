@@ -336,6 +336,22 @@ class Autotuner:
             return
         self._entries[khash] = dict(entries)
 
+    def remembered(self, khash: str, key: str) -> dict[str, Any] | None:
+        """The persisted entry under ``key`` of the file of ``khash`` (any caller's keys: the engine keeps its
+        projection kernels' choices here too), or None: none, or mode ``"off"``."""
+        if self.mode == "off":
+            return None
+        entry = self.cached(khash).get(key)
+        return None if entry is None else dict(entry)
+
+    def remember(self, khash: str, key: str, entry: dict[str, Any]) -> None:
+        """Persist ``entry`` (a dict whose ``config`` is a dict) under ``key`` in the file of ``khash``: merged
+        with what other processes wrote, under the file's lock, written atomically; an unwritable cache is one
+        warning, and the entry is kept in memory for this process."""
+        if not isinstance(entry.get("config"), dict):
+            raise ValueError(f"an autotune entry needs a 'config' dict, got {entry!r}")
+        self._save(khash, key, dict(entry))
+
     def cached(self, khash: str) -> dict[str, Any]:
         if khash not in self._entries:
             self._entries[khash] = self._read(khash)

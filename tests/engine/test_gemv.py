@@ -153,3 +153,37 @@ def test_choose_keeps_only_faster_checked_gemvs_and_linear_follows():
     gemv.clear()
     assert torch.equal(gemv.linear(x, attn.qkv_weight, attn.qkv_bias),
                        nn.functional.linear(x, attn.qkv_weight, attn.qkv_bias))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_choose_remembers_its_decisions_for_a_later_start(tmp_path, monkeypatch):
+    """A second start with the same store times nothing and decides the same; a remembered choice whose output
+    no longer checks out against cuBLAS is timed afresh."""
+    from kvgen.engine.config import ModelConfig
+    from kvgen.engine.weights import build_model, random_weights
+    from kvgen.runtime import kernel_timer
+
+    monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path))
+    cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=1024, hidden_size=2048, intermediate_size=4096,
+                                     num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
+                                     max_position_embeddings=512, rms_norm_eps=1e-5), "config")
+    net = random_weights(build_model(cfg, 512, torch.device("cuda"), torch.bfloat16), 0)
+    rows = [1, 2, 8]
+    first = gemv.choose(net, rows, saved=gemv.store(torch.device("cuda")))
+    assert first and list((tmp_path / "autotune").glob("projections-*.json"))
+
+    def no_timing(fn):
+        raise AssertionError("a remembered decision was timed again")
+    monkeypatch.setattr(kernel_timer, "graph_time_ms", no_timing)
+    gemv.clear()
+    again = gemv.choose(net, rows, saved=gemv.store(torch.device("cuda")))
+    assert [(c.name, c.rows, c.config, c.cublas_ms, c.gemv_ms) for c in again] == \
+           [(c.name, c.rows, c.config, c.cublas_ms, c.gemv_ms) for c in first]
+    # a remembered kernel choice whose output no longer checks out against cuBLAS's is timed afresh
+    if all(c.config is None for c in first):
+        pytest.skip("cuBLAS won every shape on this GPU: no remembered kernel choice to distrust")
+    monkeypatch.setattr(gemv, "_rel_l2", lambda a, b: 1.0)  # every output check fails
+    gemv.clear()
+    with pytest.raises(AssertionError, match="timed again"):
+        gemv.choose(net, rows, saved=gemv.store(torch.device("cuda")))

@@ -136,10 +136,10 @@ def test_swap_preemption_with_graphs_equals_an_unpressured_run(kv):
     assert small.runner.eager_steps > 0 and all_free(small.cache)
 
 
-def _gemv_everywhere(model, rows, verbose=False):
-    """gemv.choose's stand-in: the GEMV for every projection and bucket it takes, untimed. Config 3 (4 vectors a
-    lane in flight): TINY's down projection (k = 1024) then runs a whole chunk, the others (k = 512) only a
-    bounds-checked one, so both chunk paths run under PDL."""
+def _gemv_everywhere(model, rows, verbose=False, saved=None):
+    """gemv.choose's stand-in: the GEMV for every projection and bucket it takes, untimed (and nothing ``saved``).
+    Config 3 (4 vectors a lane in flight): TINY's down projection (k = 1024) then runs a whole chunk, the others
+    (k = 512) only a bounds-checked one, so both chunk paths run under PDL."""
     from kvgen.engine import gemv
 
     for _, pairs in gemv.weight_groups(model):
