@@ -105,6 +105,13 @@ def test_the_runtime_bench_cycles_through_disjoint_cold_page_sets(tmp_path, monk
     assert all(x is (made["seq_lens"] if i % 2 == 0 else made["half_lens"]) for i, x in enumerate(lens))
     if n % 2:
         assert {(i % n, i % 2) for i in range(cycle)} == {(k, j) for k in range(n) for j in range(2)}
+    # exact=True (experiments comparing lengths): the bucket's length alone, one turn through the tables
+    seen.clear(), lens.clear()
+    exact = cache._bench("decode", (B, S), None, probe, exact=True)
+    assert exact.cycle == n
+    for _ in range(n):
+        exact()
+    assert all(x is made["seq_lens"] for x in lens) and all(bt is tables[i] for i, (*_, bt) in enumerate(seen))
     scratch = seen[0][1]
     assert all(p is scratch for _, p, _ in seen) and scratch is not cache.pools[0]
     assert set(scratch) == set(cache.pools[0]) and all(scratch[k].shape[0] == n * B * pages + 1 for k in scratch)

@@ -7,7 +7,7 @@ of each backend at both lengths (graph replays over cold pages, as the tuner doe
 and backend, the best config at each length and what the 32K winner costs at 16K.
 
     python -m benchmarks.experiments.context_configs [--schemes bf16,int4] [--batch 1] [--lengths 16384,32768]
-        [--heads 32,8] [--out FILE]
+        [--heads 32,8] [--backends triton,cuda] [--out FILE]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--lengths", default="16384,32768", help="the contexts timed; the longest sizes the cache")
     ap.add_argument("--heads", default="32,8", help="query,KV heads (Llama-3-8B's by default)")
+    ap.add_argument("--backends", default="triton,cuda", help="which of the auto package's variants to time")
     ap.add_argument("--out", default="/tmp/context_configs.json")
     args = ap.parse_args(argv)
     from kvgen.runtime.kernel_timer import graph_time_ms
@@ -42,12 +43,14 @@ def main(argv=None) -> int:
             pkg, _, _ = _compile(scheme, "auto", B, lengths[-1], Hq, Hkv, 128, tmp)
             cache = pkg.load(device="cuda", max_tokens=B * lengths[-1] + 4 * PAGE * B, num_layers=1, max_seqs=B)
             for backend, mod in pkg.KERNEL_VARIANTS["decode"].items():
+                if backend not in args.backends.split(","):
+                    continue
                 cands = mod.candidates(B, lengths[-1])
                 times = {L: [] for L in lengths}
                 for L in lengths:
                     for cfg in cands:
                         try:
-                            ms = graph_time_ms(cache._bench("decode", (B, L), cfg, module=mod))
+                            ms = graph_time_ms(cache._bench("decode", (B, L), cfg, module=mod, exact=True))
                         except Exception as e:  # a config the device cannot run (shared memory): skipped
                             ms = None
                             print(f"  {scheme} {backend} {cfg}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -174,7 +174,8 @@ class KernelConfigMixin:
         finally:
             self.__dict__.pop("_bench_inputs", None)  # tuning's synthetic inputs (GBs for a long prefill)
 
-    def _bench(self, op: str, shape: tuple[int, ...], config: dict[str, Any] | None, module: ModuleType | None = None):
+    def _bench(self, op: str, shape: tuple[int, ...], config: dict[str, Any] | None, module: ModuleType | None = None,
+               *, exact: bool = False):
         """A closure running ``op`` (``module``: this variant of it) once with ``config`` on synthetic inputs of
         the bucket's shape (reads only).
 
@@ -189,7 +190,8 @@ class KernelConfigMixin:
         of half of it: a decode bucket serves every length in ``(S/2, S]``
         (a CUDA graph's config every length up to its longest), so a timing
         is the mean over the two ends and the winner the config best over
-        the range. Timed at its end alone, int4 at 32 x 4096 (Llama-3-8B's
+        the range (``exact``: the bucket's length alone, for experiments that
+        compare lengths). Timed at its end alone, int4 at 32 x 4096 (Llama-3-8B's
         heads, H200) ranked 4 warps and 2 splits within 2.4% of 8 warps and
         1 split and chose them; at 2048 tokens, where the engine's benchmark
         runs that graph, they cost 6% more (39.6 against 37.3 us,
@@ -235,8 +237,9 @@ class KernelConfigMixin:
         if op == "decode":
             # (table, lengths) in turn: every table in order, lengths alternating, a whole number of both
             n = len(t["bts"])
-            turns = [(t["bts"][i % n], t["seq_lens"] if i % 2 == 0 else t["half_lens"])
-                     for i in range(n if n % 2 == 0 else 2 * n)]
+            turns = ([(bt, t["seq_lens"]) for bt in t["bts"]] if exact else
+                     [(t["bts"][i % n], t["seq_lens"] if i % 2 == 0 else t["half_lens"])
+                      for i in range(n if n % 2 == 0 else 2 * n)])
             return cycling(turns, lambda turn: mod.launch(t["q"], t["out"], pools, turn[0], turn[1], t["ncomp"],
                                                           self.sm_scale, config=config))
         # The chunk's own K/V fresh, as prefill(layer, q, k, v) -- the usual call -- runs the kernel.
