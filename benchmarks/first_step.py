@@ -136,7 +136,7 @@ def case(scheme, shape, args, device, dtype_name, tmp):
     if not args.smoke:
         from triton.testing import do_bench
         for name, cfg in (("model_ms", rec["model_config"]), ("tuned_ms", rec["tuned_config"])):
-            rec[name] = float(do_bench(cache._bench("decode", shape_key, cfg), warmup=25, rep=100)) if cfg else None
+            rec[name] = float(do_bench(cache._bench("decode", shape_key, cfg, exact=True), warmup=25, rep=100)) if cfg else None
         vars(cache).pop("_bench_inputs", None)
     if "prefill" in cache.kernels and not args.no_prefill:
         chunk = min(L, 2048 if not args.smoke else 32)

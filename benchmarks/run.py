@@ -216,7 +216,9 @@ def runtime_choice(tuner, name, shapes, Hq, Hkv, D):
             memo.clear()
             torch.cuda.empty_cache()
             case = DecodeCase(scheme, B, L, Hq, Hkv, D)
-            # timed cold, as the runtime's own bench does (kernel_timer.cold_page_tables)
+            # timed cold, as the runtime's own bench does (kernel_timer.cold_page_tables), but at the anchor's
+            # length alone: the runtime's tuning also times half of it (KVCache._bench), for the lengths a
+            # bucket serves; an anchor table measures exactly its lengths
             memo.update(shape=(B, L), case=case, out=torch.empty_like(case.q),
                         timer=DecodeTimer(case.pools, case.block_tables, int(case.num_compressed[0])))
         case, out, dt = memo["case"], memo["out"], memo["timer"]

@@ -273,10 +273,26 @@ def test_files_of_an_earlier_format_are_left_alone_and_said_once(tmp_path):
     at._WARNED.discard(f"<outdated {t.root()}>")
     timer = Timer()
     t = tuner(tmp_path, timer)
-    with pytest.warns(RuntimeWarning, match="earlier kvgen .* run kvgen tune again"):
+    with pytest.warns(RuntimeWarning, match="earlier kvgen.* run kvgen tune again"):
         assert t.config("decode", fake_module(), (4, 256), bench, kernel_hash="feedfacefeedface") == {"tile": 32,
                                                                                                       "warps": 8}
     assert timer.calls == 6 and old.read_text() == legacy and new.is_file()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tuner(tmp_path, Timer()).config("decode", fake_module(), (8, 256), bench, kernel_hash="feedfacefeedface")
+
+
+def test_a_file_of_another_suffixed_format_is_said_once_too(tmp_path):
+    """A format-3 file (decode timed at the bucket's length alone) is not read either, and says so once."""
+    import kvgen.runtime.autotune as at
+
+    t = tuner(tmp_path)
+    ident = t.identity(fake_module(), "cafecafecafecafe")
+    old = t.path(ident).with_name(t.path(ident).name.replace(f"__f{at.FORMAT}.json", "__f3.json"))
+    old.parent.mkdir(parents=True, exist_ok=True)
+    old.write_text(json.dumps({"format": 3, "kernel_hash": ident, "device": t.device_name,
+                               "triton": t.triton_version, "entries": {}}))
+    at._WARNED.discard(f"<outdated {t.root()}>")
+    with pytest.warns(RuntimeWarning, match=f"format {at.FORMAT} now"):
+        tuner(tmp_path, Timer()).config("decode", fake_module(), (4, 256), bench, kernel_hash="cafecafecafecafe")
+    assert old.is_file()

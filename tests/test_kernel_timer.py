@@ -67,59 +67,103 @@ def test_cold_copies_cover_a_few_l2_caches(monkeypatch):
     assert cold_copies(1, "cuda") == MAX_COLD_COPIES and cold_copies(0, "cuda") == 1
 
 
-def test_the_runtime_bench_cycles_through_disjoint_cold_page_sets(tmp_path, monkeypatch):
-    """KVCache._bench: successive calls read disjoint sets of random pages (one table per cold copy, in turn,
-    in a scratch pool of the cache's layout: the cache's own pool may be too small to keep them apart); the
-    same table comes back only after the others; every other input is shared, also with other configs."""
-    from kvgen.runtime.pools import page_bytes
+def _bench_cache(tmp_path, name):
     from .test_backend_choice import _kernels, _load, _plan, _tuner
 
-    kernels, variants, _ = _kernels("coldbench", [], 0.0)
+    kernels, variants, _ = _kernels(name, [], 0.0)
     cache = _load(_plan(), kernels, variants, _tuner(tmp_path))
     cache.__dict__.pop("_bench_inputs", None)
+    return cache
+
+
+def _probe():
+    """A decode module stand-in recording (q, pools, table, seq_lens) per launch."""
+    seen = []
+    probe = types.ModuleType("probe")
+    probe.launch = lambda q, out, pools, bt, seq_lens, *rest, **kw: seen.append((q, pools, bt, seq_lens))
+    return probe, seen
+
+
+def test_the_runtime_bench_cycles_through_disjoint_cold_page_sets(tmp_path, monkeypatch):
+    """KVCache._bench at one length (exact=True): successive calls read disjoint sets of random pages (one table
+    per cold copy, in turn, in a scratch pool of the cache's layout: the cache's own pool may be too small to
+    keep them apart); the same table comes back only after the others; every other input is shared, also with
+    other configs."""
+    from kvgen.runtime.pools import page_bytes
+
+    cache = _bench_cache(tmp_path, "coldbench")
     B, S = 2, 1024
     pages = S // cache.page_size
     one_set = B * pages * page_bytes(cache.pools[0])
     monkeypatch.setattr(kernel_timer, "l2_bytes", lambda device: one_set)  # -> COLD_FACTOR + 1 tables
     n = COLD_FACTOR + 1
-    seen, lens = [], []
-    probe = types.ModuleType("probe")
-
-    def launch(q, out, pools, bt, seq_lens, *rest, **kw):
-        seen.append((q, pools, bt))
-        lens.append(seq_lens)
-    probe.launch = launch
-    fn = cache._bench("decode", (B, S), None, probe)
-    cycle = n if n % 2 == 0 else 2 * n  # whole turns through the tables and through the two lengths
-    assert fn.cycle == cycle
-    for _ in range(2 * cycle + 1):
+    probe, seen = _probe()
+    fn = cache._bench("decode", (B, S), None, probe, exact=True)
+    assert fn.cycle == n and fn.period == 1
+    for _ in range(2 * n + 1):
         fn()
-    tables = [bt for *_, bt in seen]
+    tables = [bt for _, _, bt, _ in seen]
     assert len({id(t) for t in tables}) == n
     assert all(tables[i] is tables[i % n] for i in range(len(tables)))
     assert all(t.shape == (B, pages) for t in tables)
-    # the bucket's length and half of it (the inputs' "seq_lens" and "half_lens", made once: the cache here
-    # lives on the meta device), alternating; every table meets both when the count of tables is odd
-    made = cache._bench_inputs[1]
-    assert made["seq_lens"].shape == made["half_lens"].shape == (B,) and made["seq_lens"] is not made["half_lens"]
-    assert all(x is (made["seq_lens"] if i % 2 == 0 else made["half_lens"]) for i, x in enumerate(lens))
-    if n % 2:
-        assert {(i % n, i % 2) for i in range(cycle)} == {(k, j) for k in range(n) for j in range(2)}
-    # exact=True (experiments comparing lengths): the bucket's length alone, one turn through the tables
-    seen.clear(), lens.clear()
-    exact = cache._bench("decode", (B, S), None, probe, exact=True)
-    assert exact.cycle == n
-    for _ in range(n):
-        exact()
-    assert all(x is made["seq_lens"] for x in lens) and all(bt is tables[i] for i, (*_, bt) in enumerate(seen))
+    assert len({id(lens) for *_, lens in seen}) == 1
     scratch = seen[0][1]
-    assert all(p is scratch for _, p, _ in seen) and scratch is not cache.pools[0]
+    assert all(p is scratch for _, p, _, _ in seen) and scratch is not cache.pools[0]
     assert set(scratch) == set(cache.pools[0]) and all(scratch[k].shape[0] == n * B * pages + 1 for k in scratch)
-    assert len({id(q) for q, _, _ in seen}) == 1
+    assert len({id(q) for q, *_ in seen}) == 1
     # another config of the same bucket shares the inputs (a fair comparison), starting from the first table
     seen.clear()
-    cache._bench("decode", (B, S), {"tile": 16}, probe)()
+    cache._bench("decode", (B, S), {"tile": 16}, probe, exact=True)()
     assert seen[0][2] is tables[0]
+
+
+@pytest.mark.parametrize("l2_sets", [1.0, 0.5, 0.3, 0.05])
+def test_decode_tuning_alternates_the_bucket_length_and_half_of_it(tmp_path, monkeypatch, l2_sets):
+    """By default a decode bench alternates sequences of the bucket's length and of half of it: an even number
+    of cold tables (one length each, sized for the mean read) or, where one table is cold by itself, both
+    lengths on it; ``period`` 2 keeps both in a timing of long calls."""
+    from kvgen.runtime.pools import page_bytes
+
+    cache = _bench_cache(tmp_path, "spanbench")
+    B, S = 2, 1024
+    one_set = B * (S // cache.page_size) * page_bytes(cache.pools[0])
+    monkeypatch.setattr(kernel_timer, "l2_bytes", lambda device: int(one_set * l2_sets))
+    copies = kernel_timer.cold_copies(one_set * 3 // 4, "cuda")
+    probe, seen = _probe()
+    fn = cache._bench("decode", (B, S), None, probe)
+    made = cache._bench_inputs[1]
+    full, half = made["seq_lens"], made["half_lens"]
+    assert full is not half and full.shape == half.shape == (B,)
+    n = len(made["bts"])
+    assert n == (copies + copies % 2 if copies > 1 else 1)
+    assert fn.period == 2 and fn.cycle == (n if n > 1 else 2)
+    for _ in range(3 * fn.cycle):
+        fn()
+    pairs = [(id(bt), lens is full) for _, _, bt, lens in seen]
+    assert [lens for _, lens in pairs] == [i % 2 == 0 for i in range(len(pairs))]  # alternating from the full one
+    if n > 1:  # each table always at the same length, and every table used
+        assert len(set(pairs)) == n and len({t for t, _ in pairs}) == n
+    else:
+        assert len({t for t, _ in pairs}) == 1
+    # the exact bench of the same bucket makes its own inputs (its tables are counted for whole reads)
+    cache._bench("decode", (B, S), None, probe, exact=True)
+    assert cache._bench_inputs[0][-1] is False
+
+
+def test_a_scheme_with_more_than_a_tail_page_of_residual_is_timed_at_the_length_alone(tmp_path, monkeypatch):
+    """int2 keeps 128 tokens in the compute dtype: a half-length sequence would split its pages between the pools
+    otherwise than the bench's tables, so its decode is timed at the bucket's length alone."""
+    cache = _bench_cache(tmp_path, "residualbench")
+    monkeypatch.setattr(cache, "residual_tokens", 0)
+    probe, seen = _probe()
+    assert cache._bench("decode", (2, 1024), None, probe).period == 2  # a tail page only: both ends
+    cache.__dict__.pop("_bench_inputs", None)
+    monkeypatch.setattr(cache, "residual_tokens", 128)
+    fn = cache._bench("decode", (2, 1024), None, probe)
+    assert fn.period == 1
+    for _ in range(fn.cycle):
+        fn()
+    assert seen and all(lens is cache._bench_inputs[1]["seq_lens"] for *_, lens in seen)
 
 
 def _pool(pages: int, residual_pages: int = 0, D: int = 8, H: int = 2) -> dict:
@@ -219,5 +263,5 @@ def test_a_sliding_window_plan_counts_only_the_window_s_pages(tmp_path, monkeypa
     B, S, P = 2, 1024, cache.page_size
     one = page_bytes(cache.pools[0])
     monkeypatch.setattr(kernel_timer, "l2_bytes", lambda device: B * (S // P) * one)
-    fn = cache._bench("decode", (B, S), None, types.SimpleNamespace(launch=lambda *a, **k: None))
+    fn = cache._bench("decode", (B, S), None, types.SimpleNamespace(launch=lambda *a, **k: None), exact=True)
     assert fn.cycle == cold_copies(B * (-(-64 // P) + 1) * one, "cuda") > cold_copies(B * (S // P) * one, "cuda")

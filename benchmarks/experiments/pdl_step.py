@@ -32,14 +32,24 @@ from kvgen.atomic import write_atomic
 
 
 def recapture(eng, max_batch: int, max_model_len: int, mode: str) -> None:
-    """The engine's decode graphs captured anew with ``KVGEN_PDL=mode`` (the old ones freed first)."""
+    """The engine's decode graphs captured anew with ``KVGEN_PDL=mode`` (the old ones freed first), the projection
+    kernels timed afresh: ``KVGEN_AUTOTUNE=off`` while they are chosen keeps the chooser from recalling what the
+    engine's start remembered (the cache's own tuner, made at load, keeps its mode)."""
     from kvgen.engine.graphs import DecodeGraphs
 
     os.environ["KVGEN_PDL"] = mode
     eng.runner.graphs = None
     gc.collect()
     torch.cuda.empty_cache()
-    eng.runner.graphs = DecodeGraphs(eng.runner.model, eng.cache, max_batch, max_model_len, verbose=False)
+    before = os.environ.get("KVGEN_AUTOTUNE")
+    os.environ["KVGEN_AUTOTUNE"] = "off"
+    try:
+        eng.runner.graphs = DecodeGraphs(eng.runner.model, eng.cache, max_batch, max_model_len, verbose=False)
+    finally:
+        if before is None:
+            os.environ.pop("KVGEN_AUTOTUNE", None)
+        else:
+            os.environ["KVGEN_AUTOTUNE"] = before
 
 
 def measure(kv: str, B: int, L: int, steps: int, rounds: int, bw: float) -> dict:

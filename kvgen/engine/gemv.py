@@ -200,6 +200,11 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def _checks_out(out: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether a kernel's output is cuBLAS's up to rounding (a NaN anywhere never is)."""
+    return _rel_l2(out, want) <= CHECK_REL_L2
+
+
 def prefers_gemv(gemv_ms: float | None, cublas_ms: float, chained: bool) -> bool:
     """Whether the GEMV runs a projection timed at ``gemv_ms`` against cuBLAS's ``cublas_ms``: it is faster, or,
     in a PDL chain (``chained``: the decode graphs launch the GEMV with PDL), slower by less than
@@ -209,15 +214,23 @@ def prefers_gemv(gemv_ms: float | None, cublas_ms: float, chained: bool) -> bool
     return gemv_ms < cublas_ms + (PDL_CHAIN_MS if chained else 0.0)
 
 
-def store(device: torch.device) -> projection_store.ProjectionStore:
+def store(device: torch.device) -> projection_store.ProjectionStore | None:
     """Where :func:`choose` remembers its decisions on ``device`` across starts (:mod:`.projection_store`), keyed
-    by everything they depend on besides the kernels' sources."""
-    from kvgen.runtime.autotune import Autotuner
+    by everything they depend on besides the kernels' sources; None with the kernels off (``KVGEN_GEMV=0``), or,
+    after one warning, when no store can be opened (the chooser then times, as without one)."""
+    if not enabled():
+        return None
+    try:
+        from kvgen.runtime.autotune import Autotuner
 
-    constants = {"ABI_VERSION": ABI_VERSION, "CONFIGS": CONFIGS, "PDL_CHAIN_MS": PDL_CHAIN_MS,
-                 "CHECK_REL_L2": CHECK_REL_L2, "TILES": small_gemm.TILES, "ROW_BLOCKS": small_gemm.ROW_BLOCKS,
-                 "MIN_ROWS": small_gemm.MIN_ROWS}
-    return projection_store.ProjectionStore(Autotuner(device, progress=False), constants)
+        constants = {"ABI_VERSION": ABI_VERSION, "CONFIGS": CONFIGS, "PDL_CHAIN_MS": PDL_CHAIN_MS,
+                     "CHECK_REL_L2": CHECK_REL_L2, "TILES": small_gemm.TILES, "ROW_BLOCKS": small_gemm.ROW_BLOCKS,
+                     "MIN_ROWS": small_gemm.MIN_ROWS}
+        return projection_store.ProjectionStore(Autotuner(device, progress=False), constants)
+    except Exception as exc:  # a bad KVGEN_AUTOTUNE, an unreadable source: remembering is an optimization
+        warnings.warn(f"kvgen: the projection kernels' choices are not remembered this start "
+                      f"({type(exc).__name__}: {exc}); they are timed", stacklevel=2)
+        return None
 
 
 def _recall(saved: projection_store.ProjectionStore | None, entry_key: str, runs: dict, x: torch.Tensor,
@@ -231,7 +244,7 @@ def _recall(saved: projection_store.ProjectionStore | None, entry_key: str, runs
         return None
     if choice is not None:
         try:
-            if not _rel_l2(runs[choice](x, w, b), want) <= CHECK_REL_L2:
+            if not _checks_out(runs[choice](x, w, b), want):
                 return None
         except Exception:  # a remembered config this build cannot run after all: timed afresh below
             return None
@@ -252,8 +265,8 @@ def _time(pairs: list, x: torch.Tensor, m: int, runs: dict, want: torch.Tensor, 
     best, best_ms = None, None
     for config, run in runs.items():
         try:
-            if _rel_l2(run(x, w0, b0), want) > CHECK_REL_L2:
-                continue  # a broken build or config: never used
+            if not _checks_out(run(x, w0, b0), want):
+                continue  # a broken build or config (or a NaN): never used
         except OutOfResources:
             continue  # a small-GEMM tile this GPU's shared memory does not hold after all
         except Exception as exc:  # a small-GEMM config Triton cannot build for this GPU: cuBLAS keeps it
@@ -330,8 +343,11 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False,
             got = _recall(saved, entry_key, runs, x, w0, b0, want)
             recalled += got is not None
             if got is None:
+                failed = len(skipped)
                 got = _time(pairs, x, m, runs, want, skipped)
-                if saved is not None:
+                # a decision some candidate could not take part in (a build or launch failure) is not kept:
+                # the next start tries them all again
+                if saved is not None and len(skipped) == failed:
                     saved.remember(entry_key, *got)
             use, cublas_ms, best_ms = got
             if use is not None:

@@ -2,15 +2,18 @@
 
 The chooser times cuBLAS against kvgen's GEMV and small GEMM for every
 projection shape and row bucket of the decode graphs: some 25 decisions and
-hundreds of timed candidates, 4-10 s at every start on an H200 (Llama-3-8B,
-benchmarks/results/2026-12-04-nvidia-h200-5). The decisions depend only on
+hundreds of timed candidates, 3.5-9.6 s at every start on an H200
+(Llama-3-8B, benchmarks/results/2026-12-04-nvidia-h200-6). The decisions depend only on
 the GPU, the kernels' code and the library versions, so they are kept where
 the runtime keeps its tuned kernel configs (:class:`kvgen.runtime.autotune.
 Autotuner`: one file per identity, device and Triton version under
 ``<KVGEN_CACHE_DIR>/autotune``, merged under a lock and written atomically),
-under an identity that covers the GEMV's and the small GEMM's sources, their
-config tables, the decision rule's constants and torch's and CUDA's
-versions: any change of those, another GPU or another Triton times afresh.
+under an identity that covers the GEMV's and the small GEMM's sources, the
+chooser's and the timer's code, their config tables, the decision rule's
+constants and torch's version with the CUDA it was built for: any change of
+those, another GPU or another Triton times afresh. Not covered: the nvcc that
+builds the GEMV and a cuBLAS upgraded without torch (they may change which
+is faster, not what is correct).
 ``KVGEN_AUTOTUNE=off`` reads nothing remembered (and still writes what it
 times).
 
@@ -36,12 +39,16 @@ MISSING = object()
 
 
 def identity(constants: dict[str, Any]) -> str:
-    """A hex digest of the projection kernels' sources (``gemv.cu``, the small GEMM's kernel and launcher),
-    ``constants`` (the chooser's config tables and decision rule, by name) and torch's and CUDA's versions."""
+    """A hex digest of the projection kernels' sources (``gemv.cu``, the small GEMM's kernel and launcher), the
+    chooser's (``gemv.py``, ``pdl.py``) and the runtime timer's code, ``constants`` (the chooser's config tables
+    and decision rule, by name) and torch's version with the CUDA it was built for."""
+    from kvgen.runtime import kernel_timer
+
     here = Path(__file__).parent
+    files = [here / n for n in ("gemv.cu", "small_gemm_kernel.py", "small_gemm.py", "gemv.py", "pdl.py")]
     h = hashlib.sha256()
-    for name in ("gemv.cu", "small_gemm_kernel.py", "small_gemm.py"):
-        h.update(name.encode() + b"\0" + (here / name).read_bytes() + b"\0")
+    for path in [*files, Path(kernel_timer.__file__)]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     for name in sorted(constants):
         h.update(f"{name}={constants[name]!r}\0".encode())
     h.update(f"torch={torch.__version__}\0cuda={torch.version.cuda}\0".encode())

@@ -48,6 +48,7 @@ model default.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -275,15 +276,18 @@ class Autotuner:
         return f"{khash}__{_slug(self.device_name)}__triton-{_slug(self.triton_version)}"
 
     def _warn_if_outdated(self, khash: str) -> None:
-        # format 2 and before: the same name without the format suffix
+        # another format's file of the same kernel, device and Triton: format 2 and before have no format suffix
+        stem = self._stem(khash)
         try:
-            outdated = (self.root() / f"{self._stem(khash)}.json").is_file()
+            outdated = (self.root() / f"{stem}.json").is_file() or any(
+                p.name != self.path(khash).name for p in self.root().glob(f"{glob.escape(stem)}__f*.json"))
         except OSError:  # an unreadable cache folder: _read and _save say so where it matters
             return
         if outdated:
             _warn_once(f"<outdated {self.root()}>",
-                       f"kvgen autotune: tuned configs under {self.root()} were timed by an earlier kvgen (on warm "
-                       f"inputs) and are not used; run kvgen tune again on this GPU (the old files are left as they are)")
+                       f"kvgen autotune: tuned configs under {self.root()} were timed by an earlier kvgen, in a way "
+                       f"this one does not use (format {FORMAT} now); run kvgen tune again on this GPU (the old "
+                       f"files are left as they are)")
 
     def identity(self, module: ModuleType, plan_hash: str | None = None) -> str:
         """``<KernelSpec hash>-<template tag>``: what a persisted winner is keyed by (memoized per module)."""

@@ -183,18 +183,25 @@ class KernelConfigMixin:
         every candidate and variant of that bucket; whoever tunes drops them
         afterwards (``_config``, ``autotune.tune``: ``self._bench_inputs``).
         Successive calls cycle through the block tables of
-        :func:`.kernel_timer.cold_page_tables` (``call.cycle`` of them), so a
-        bucket smaller than L2 is timed cold, as a model's layer runs it.
+        :func:`.kernel_timer.cold_page_tables` (``call.cycle`` calls make a
+        whole turn), so a bucket smaller than L2 is timed cold, as a model's
+        layer runs it.
 
         Decode calls alternate between sequences of the bucket's length and
         of half of it: a decode bucket serves every length in ``(S/2, S]``
         (a CUDA graph's config every length up to its longest), so a timing
         is the mean over the two ends and the winner the config best over
         the range (``exact``: the bucket's length alone, for experiments that
-        compare lengths). Timed at its end alone, int4 at 32 x 4096 (Llama-3-8B's
-        heads, H200) ranked 4 warps and 2 splits within 2.4% of 8 warps and
-        1 split and chose them; at 2048 tokens, where the engine's benchmark
-        runs that graph, they cost 6% more (39.6 against 37.3 us,
+        compare lengths). The two lengths alternate over the tables (an even
+        number of them, :func:`.kernel_timer.cold_page_tables`), and
+        ``call.period = 2`` keeps both in a timing of calls of a millisecond
+        or more. A scheme that keeps more than its tail page in the compute
+        dtype (int2's 128 tokens) is timed at the length alone: a sequence of
+        half the length splits its pages between the pools otherwise, which
+        these inputs do not hold. Timed at its end alone, int4 at 32 x 4096
+        (Llama-3-8B's heads, H200) ranked 4 warps and 2 splits within 2.4% of
+        8 warps and 1 split and chose them; at 2048 tokens, where the engine's
+        benchmark runs that graph, they cost 6% more (39.6 against 37.3 us,
         benchmarks/results/2026-12-04-nvidia-h200-5).
         """
         from .autotune import bucket
@@ -204,6 +211,7 @@ class KernelConfigMixin:
         dev, P = self.device, self.page_size
         pages = -(-S // P)
         nc = pages if self.residual_tokens is None else max(0, S // P - self.residual_tokens // P)
+        span = op == "decode" and not exact and not self.residual_tokens  # both ends of the bucket's range
 
         def inputs() -> dict[str, Any]:
             # Block tables of random pages, one per input set the timer cycles through (each call finds its pages
@@ -213,7 +221,7 @@ class KernelConfigMixin:
             window = int(self.plan.get("sliding_window") or 0)
             if window:  # the kernels never load pages wholly before the window
                 read = min(read, -(-window // P) + 1)
-            pools, tables = cold_page_tables(self.pools[0], B, pages, nc, read)
+            pools, tables = cold_page_tables(self.pools[0], B, pages, nc, read, alternating=span)
             t: dict[str, Any] = {"pools": pools, "bts": tables,
                                  "seq_lens": torch.full((B,), S, dtype=torch.int32, device=dev),
                                  "half_lens": torch.full((B,), max(1, S // 2), dtype=torch.int32, device=dev),
@@ -228,20 +236,23 @@ class KernelConfigMixin:
             return t
 
         memo = getattr(self, "_bench_inputs", None)
-        if memo is None or memo[0] != (op, B, Q, S):
-            memo = ((op, B, Q, S), inputs())
+        if memo is None or memo[0] != (op, B, Q, S, span):
+            memo = ((op, B, Q, S, span), inputs())
             self._bench_inputs = memo
         t = memo[1]
         pools = t["pools"]
         mod = module if module is not None else self.kernels[op]
         if op == "decode":
-            # (table, lengths) in turn: every table in order, lengths alternating, a whole number of both
-            n = len(t["bts"])
-            turns = ([(bt, t["seq_lens"]) for bt in t["bts"]] if exact else
-                     [(t["bts"][i % n], t["seq_lens"] if i % 2 == 0 else t["half_lens"])
-                      for i in range(n if n % 2 == 0 else 2 * n)])
-            return cycling(turns, lambda turn: mod.launch(t["q"], t["out"], pools, turn[0], turn[1], t["ncomp"],
+            # (table, lengths) in turn: every table in order, the lengths alternating (one table: both on it)
+            tables, full, half = t["bts"], t["seq_lens"], t["half_lens"]
+            turns = [(bt, full) for bt in tables]
+            if span:
+                turns = [(tables[0], full), (tables[0], half)] if len(tables) == 1 else \
+                        [(bt, full if i % 2 == 0 else half) for i, bt in enumerate(tables)]
+            call = cycling(turns, lambda turn: mod.launch(t["q"], t["out"], pools, turn[0], turn[1], t["ncomp"],
                                                           self.sm_scale, config=config))
+            call.period = 2 if span else 1
+            return call
         # The chunk's own K/V fresh, as prefill(layer, q, k, v) -- the usual call -- runs the kernel.
         return cycling(t["bts"], lambda bt: mod.launch(t["q"], t["out"], pools, bt, t["seq_lens"], t["ncomp"], t["cu"],
                                                        Q, self.sm_scale, config=config, k_new=t["k_new"],

@@ -77,7 +77,8 @@ def _distinct_pages(n: int, num_pages: int, device: torch.device) -> torch.Tenso
 
 
 def cold_page_tables(pool: Mapping[str, torch.Tensor], batch: int, pages: int, compressed: int,
-                     read_pages: int | None = None) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+                     read_pages: int | None = None, *, alternating: bool = False
+                     ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
     """Block tables, and the pool they index, for timing a kernel that reads ``batch`` rows of ``pages`` pages
     of ``pool`` (one layer's page tensors; the first ``compressed`` entries of a row point into its compressed
     tensors, the rest into :data:`RESIDUAL_TENSORS`), each call finding its pages cold.
@@ -89,7 +90,10 @@ def cold_page_tables(pool: Mapping[str, torch.Tensor], batch: int, pages: int, c
     the tables index a scratch pool of the same layout, zero-filled, holding :func:`cold_copies` disjoint sets
     of the pages a call reads (the pool a caller sized for one call, ``kvgen tune``'s or a benchmark's, could
     not keep them apart). Entries a call does not read (a prefill chunk's own pages) all point at one page,
-    the last of their pool.
+    the last of their pool. ``alternating``: calls alternate between reading every read page and half of them
+    (a decode timed over its bucket's range): the copies are counted for three quarters of the working set, so
+    that ``COLD_FACTOR`` L2s still pass between two uses of one, and made even (when more than one), so that
+    each table always serves the same one of the two lengths.
     """
     device = next(iter(pool.values())).device
     comp = {n: t for n, t in pool.items() if n not in RESIDUAL_TENSORS}
@@ -99,7 +103,9 @@ def cold_page_tables(pool: Mapping[str, torch.Tensor], batch: int, pages: int, c
     read_comp = min(read, compressed)  # a row reads its leading pages: compressed ones first, then residual
     read_res = read - read_comp
     ws = batch * (read_comp * page_bytes(comp) + read_res * page_bytes(res))
-    copies = cold_copies(ws, device)
+    copies = cold_copies(ws * 3 // 4 if alternating else ws, device)
+    if alternating and copies > 1:
+        copies += copies % 2
     n_comp, n_res = batch * read_comp, batch * read_res
     if copies > 1:
         def scratch(tensors: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
@@ -160,7 +166,8 @@ def graph_time_ms(fn: Callable[[], Any]) -> float:
         # equally often, and between two uses of one all the others pass.
         # A call of TARGET_MS or more runs alone: its own reads dwarf whatever L2 still holds, and whole turns
         # would multiply a long prefill candidate's cost by the cycle.
-        cycle = max(1, int(getattr(fn, "cycle", 1))) if once < TARGET_MS else 1
+        # (fn.period: calls that belong together even then, e.g. the two lengths a decode bucket is timed at)
+        cycle = max(1, int(getattr(fn, "cycle", 1) if once < TARGET_MS else getattr(fn, "period", 1)))
         calls = -(-max(calls, cycle) // cycle) * cycle
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):

@@ -155,6 +155,37 @@ def test_choose_keeps_only_faster_checked_gemvs_and_linear_follows():
                        nn.functional.linear(x, attn.qkv_weight, attn.qkv_bias))
 
 
+def test_a_remembered_choice_is_used_only_while_it_is_offered_and_checks_out(tmp_path):
+    """gemv._recall, on the CPU: cuBLAS comes back without a run; a kernel config only if today's candidates
+    hold it and its output matches cuBLAS's (not a wrong, NaN or failing one); nothing without a store."""
+    from kvgen.engine import projection_store as ps
+    from kvgen.runtime.autotune import Autotuner
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 64), torch.randn(32, 64), torch.randn(32)
+    want = nn.functional.linear(x, w, b)
+    ran = []
+
+    def good(x, w, b):
+        ran.append("good")
+        return nn.functional.linear(x, w, b)
+
+    def fail(x, w, b):
+        raise RuntimeError("no such kernel here")
+    runs = {0: good, 1: lambda x, w, b: want * 1.5, 2: lambda x, w, b: want * float("nan"), 3: fail}
+    saved = ps.ProjectionStore(Autotuner("cpu", directory=tmp_path, progress=False), {"t": 1})
+    key = ps.key("o", (32, 64), torch.float32, True, 2, False)
+    assert gemv._recall(None, key, runs, x, w, b, want) is None
+    assert gemv._recall(saved, key, runs, x, w, b, want) is None  # nothing remembered yet
+    saved.remember(key, None, 0.013, 0.015)
+    assert gemv._recall(saved, key, runs, x, w, b, want) == (None, 0.013, 0.015) and ran == []
+    saved.remember(key, 0, 0.013, 0.011)
+    assert gemv._recall(saved, key, runs, x, w, b, want) == (0, 0.013, 0.011) and ran == ["good"]
+    for distrusted in (1, 2, 3, 7):  # wrong output, NaN, a launch failure, a config no longer offered
+        saved.remember(key, distrusted, 0.013, 0.011)
+        assert gemv._recall(saved, key, runs, x, w, b, want) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_choose_remembers_its_decisions_for_a_later_start(tmp_path, monkeypatch):
@@ -165,6 +196,7 @@ def test_choose_remembers_its_decisions_for_a_later_start(tmp_path, monkeypatch)
     from kvgen.runtime import kernel_timer
 
     monkeypatch.setenv("KVGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVGEN_AUTOTUNE", raising=False)  # "off" would read nothing back
     cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=1024, hidden_size=2048, intermediate_size=4096,
                                      num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
                                      max_position_embeddings=512, rms_norm_eps=1e-5), "config")
