@@ -327,8 +327,8 @@ def choose(model: nn.Module, rows: Iterable[int], *, verbose: bool = False,
         for m in buckets:
             x = torch.randn(m, w0.shape[1], device=w0.device, dtype=w0.dtype, generator=gen)
             if m <= MAX_ROWS:
-                runs = {c: functools.partial(gemv, config=c) for c in range(len(CONFIGS))
-                        if all(supports(x, w, b) for w, b in pairs)}
+                ok = all(supports(x, w, b) for w, b in pairs)  # the same for every GEMV config
+                runs = {c: functools.partial(gemv, config=c) for c in range(len(CONFIGS)) if ok}
             else:
                 runs = {c: functools.partial(small_gemm.small_gemm, config=c)
                         for c in small_gemm.candidates(w0.shape[0], w0.shape[1], props.multi_processor_count, m,
