@@ -1,9 +1,9 @@
 """Variants of the CUDA decode kernel's source, timed head to head in one process (a GPU), each one checked.
 
     # offline (no GPU): render the variants' .cu sources into DIR
-    python -m benchmarks.experiments.decode_variants render DIR [--schemes int4,int8] [--base REV]
+    python -m benchmarks.experiments.decode_variants render DIR [--schemes int4,int8] [--base REV] [--heads 64,8]
     # on the GPU: build every source in DIR, check it and time it at each shape
-    python -m benchmarks.experiments.decode_variants time DIR [--shapes 32x4096,1x16384] [--out FILE]
+    python -m benchmarks.experiments.decode_variants time DIR [--shapes 32x4096,1x16384] [--out FILE] [--heads 64,8]
 
 ``render`` writes, per scheme, ``<scheme>--base.cu`` (the decode kernel as git revision ``--base`` renders it,
 through that revision's own templates, unpacked with ``git archive`` into a temporary folder) and
@@ -14,7 +14,8 @@ NaN-poisoned output against the float32 reference and against the base variant's
 is not finite or differs from the base's by more than ``--max-vs-base`` (relative L2). It then times every tuning
 candidate of the module (splits x warps x depths) with the runtime's kernel timer, cold pages cycled as the
 runtime's own tuning does, and reports the best per variant and shape, as a ratio to the base variant measured in
-the same process.
+the same process. ``--heads HQ,HKV`` (query and KV heads, default the ANCHORS' 64,8) must be the same for both
+steps: the group size is compiled into the source.
 """
 
 from __future__ import annotations
@@ -38,28 +39,28 @@ RENDER = ("import sys, templates, plugins; sys.modules['kvgen_templates'] = temp
           "sys.stdout.write(render(sys.argv[1], {d}, {g}, {p}))")
 
 
-def _render_at(root: Path, scheme: str) -> str:
+def _render_at(root: Path, scheme: str, hq: int, hkv: int) -> str:
     """The decode .cu of ``scheme`` as the tree at ``root`` renders it (its own kvgen, templates and plugins)."""
     env = dict(os.environ, PYTHONPATH=str(root))
-    code = RENDER.format(d=D, g=HQ // HKV, p=PAGE)
+    code = RENDER.format(d=D, g=hq // hkv, p=PAGE)
     return subprocess.run([sys.executable, "-c", code, scheme], cwd=root, env=env, check=True,
                           capture_output=True, text=True).stdout
 
 
-def render(out_dir: Path, schemes: list[str], base: str) -> None:
+def render(out_dir: Path, schemes: list[str], base: str, hq: int = HQ, hkv: int = HKV) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", base], check=True,
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         for s in schemes:
-            (out_dir / f"{s}--base.cu").write_text(_render_at(Path(tmp), s))
-            (out_dir / f"{s}--tree.cu").write_text(_render_at(REPO, s))
+            (out_dir / f"{s}--base.cu").write_text(_render_at(Path(tmp), s, hq, hkv))
+            (out_dir / f"{s}--tree.cu").write_text(_render_at(REPO, s, hq, hkv))
             print(f"{s}: 2 sources", file=sys.stderr)
 
 
 def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None,
-                  max_vs_base: float = 1e-2) -> list[dict]:
+                  max_vs_base: float = 1e-2, hq: int = HQ, hkv: int = HKV) -> list[dict]:
     import torch
 
     from benchmarks.run import DecodeCase, kernel_module, rel_l2
@@ -71,10 +72,10 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
         by_scheme.setdefault(f.name.split("--")[0], []).append(f)
     for scheme_name, files in by_scheme.items():
         files.sort(key=lambda f: (not f.stem.endswith("--base"), f.name))
-        mod, scheme = kernel_module("decode", scheme_name, HKV, HQ // HKV, D, backend="cuda")
+        mod, scheme = kernel_module("decode", scheme_name, hkv, hq // hkv, D, backend="cuda")
         for B, L in shapes:
             torch.cuda.empty_cache()
-            case = DecodeCase(scheme, B, L, HQ, HKV, D)
+            case = DecodeCase(scheme, B, L, hq, hkv, D)
             ref = case.reference()
             sm = 1 / math.sqrt(D)
             pools, tables = cold_page_tables(case.pools, B, case.block_tables.shape[1], int(case.num_compressed[0]))
@@ -102,7 +103,7 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
                 ms, cfg = min(times, key=lambda t: t[0])
                 if base_ms is None:
                     base_ms = ms
-                rec = {"scheme": scheme_name, "variant": variant, "B": B, "L": L, "ms": ms, "config": cfg,
+                rec = {"scheme": scheme_name, "variant": variant, "B": B, "L": L, "heads": [hq, hkv], "ms": ms, "config": cfg,
                        "vs_base": ms / base_ms, "rel_l2": err, "rel_l2_vs_base": vs_base,
                        "candidates": [[t, c] for t, c in times]}
                 records.append(rec)
@@ -126,17 +127,20 @@ def main(argv=None) -> int:
     r.add_argument("dir", type=Path)
     r.add_argument("--schemes", default="bf16,fp8,int8,int4,int2")
     r.add_argument("--base", default="HEAD")
+    r.add_argument("--heads", default=f"{HQ},{HKV}", help="query and KV heads, HQ,HKV")
     t = sub.add_parser("time")
     t.add_argument("dir", type=Path)
     t.add_argument("--shapes", default="32x4096,1x16384")
     t.add_argument("--out", type=Path)
     t.add_argument("--max-vs-base", type=float, default=1e-2)
+    t.add_argument("--heads", default=f"{HQ},{HKV}", help="query and KV heads, HQ,HKV (as rendered)")
     a = ap.parse_args(argv)
+    hq, hkv = (int(x) for x in a.heads.split(","))
     if a.cmd == "render":
-        render(a.dir, a.schemes.split(","), a.base)
+        render(a.dir, a.schemes.split(","), a.base, hq, hkv)
     else:
         shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
-        time_variants(a.dir, shapes, a.out, a.max_vs_base)
+        time_variants(a.dir, shapes, a.out, a.max_vs_base, hq, hkv)
     return 0
 
 
