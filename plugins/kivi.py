@@ -52,14 +52,24 @@ for int2), ``G = gcd(32, D)`` value group (32 for D = 64, 96, 128, 256; 16
 for D = 80; 8 for D = 8)::
 
     k        uint8   [P, D/F]   codes, token-major, packed along channels
-    k_scale  float16 [D]        one per channel, over the page's P tokens
-    k_zero   float16 [D]
+    k_scale  float16 [D]        one per channel, over the page's P tokens, in key-metadata order (below)
+    k_zero   float16 [D]        in the same order
     v        uint8   [P, D/F]   codes, token-major, packed along channels
     v_scale  float16 [P, D/G]   one per (token, group of G channels)
     v_zero   float16 [P, D/G]
 
     byte j of token t (int4):  bits 7..4 = channel 2j+1 | bits 3..0 = channel 2j
     byte j of token t (int2):  [c 4j+3 | c 4j+2 | c 4j+1 | c 4j]  (2 bits each, low first)
+
+Key-metadata order (:func:`key_meta_positions`): channel ``d``'s scale and zero are stored at position
+``pos(d)``, a permutation inside each group of ``W = 32 // bits`` channels (the codes of one 32-bit word
+of a key row): for int4, bit-reversed positions (0 4 2 6 1 5 3 7); for int2, ``pos`` takes channel bits
+(3 2 1 0) to position bits (0 3 1 2). A trailing group narrower than W (int2 at D=8) is stored as is. The
+CUDA decode (``macros/cuda/kivi.j2``) reads the words of its key operands straight out of this order:
+each pair it multiplies into a score (channels i and i + W/2, the two halves of a register) is one
+stored word, and the zeros of two k-steps are one aligned 16-byte load that is an MMA operand as it
+stands; in channel order both took a byte permute each (a tenth of int4's decode tile loop). The
+Triton kernels index the order with the same arithmetic.
 
 Packing interleaves neighbouring channels in one byte (channel ``F*j + i``
 in bits ``[i*bits, (i+1)*bits)``). A group of F channels never straddles the
@@ -162,6 +172,24 @@ def _quantize(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, tor
     return code.to(torch.uint8), scale + bad.to(torch.float16), zero
 
 
+def key_meta_positions(head_dim: int, bits: int) -> list[int]:
+    """``pos[d]``: where channel ``d``'s key scale and zero are stored in a page's ``k_scale``/``k_zero`` rows.
+
+    Inside each whole group of ``W = 32 // bits`` channels, with ``c = d % W``, ``r = (c >> 1) % (W // 4)``:
+    ``pos = d - c + 8 * (r >> 1) + 4 * (c & 1) + 2 * (r & 1) + (c >= W // 2)`` (the CUDA reader's word of
+    k-step pair ``r >> 1``, slot pair ``c & 1``, k-step parity ``r & 1``, half ``c >= W // 2``); channels of
+    a trailing partial group keep their place. ``macros/kivi.j2`` (``_kpos``) emits the same arithmetic.
+    """
+    w = 32 // bits
+    whole = head_dim // w * w
+    out = []
+    for d in range(head_dim):
+        c = d % w
+        r = (c >> 1) % (w // 4)
+        out.append(d - c + 8 * (r >> 1) + 4 * (c & 1) + 2 * (r & 1) + int(c >= w // 2) if d < whole else d)
+    return out
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``[..., D]`` codes -> ``[..., D/F]`` uint8; channel F*j+i in bits [i*bits, (i+1)*bits) of byte j."""
     f = 8 // bits
@@ -252,10 +280,13 @@ class KiviScheme(Scheme):
         g = value_group(d)
         kc, ks, kz = _quantize(k.float(), 1, self.levels)               # over the page's tokens
         vc, vs, vz = _quantize(v.float().reshape(h, page, d // g, g), 3, self.levels)
+        pos = torch.tensor(key_meta_positions(d, self.bits))
+        ks_stored, kz_stored = torch.empty_like(ks.reshape(h, d)), torch.empty_like(kz.reshape(h, d))
+        ks_stored[:, pos], kz_stored[:, pos] = ks.reshape(h, d), kz.reshape(h, d)
         return {
             "k": pack(kc, self.bits),
-            "k_scale": ks.reshape(h, d),
-            "k_zero": kz.reshape(h, d),
+            "k_scale": ks_stored,
+            "k_zero": kz_stored,
             "v": pack(vc.reshape(h, page, d), self.bits),
             "v_scale": vs.reshape(h, page, d // g),
             "v_zero": vz.reshape(h, page, d // g),
@@ -264,12 +295,18 @@ class KiviScheme(Scheme):
     def dequantize_page(self, tensors: dict[str, torch.Tensor], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = value_group(head_dim)
         kc = unpack(tensors["k"], self.bits).float()                     # [H, P, D]
-        k = kc * tensors["k_scale"].float()[:, None, :] + tensors["k_zero"].float()[:, None, :]
+        ks, kz = self.key_meta(tensors, head_dim)
+        k = kc * ks[:, None, :] + kz[:, None, :]
         vc = unpack(tensors["v"], self.bits).float()
         h, page, _ = vc.shape
         vc = vc.reshape(h, page, head_dim // g, g)
         v = vc * tensors["v_scale"].float()[..., None] + tensors["v_zero"].float()[..., None]
         return k, v.reshape(h, page, head_dim)
+
+    def key_meta(self, tensors: dict[str, torch.Tensor], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A page's key scales and zeros in channel order (float32 ``[..., D]``), from its stored order."""
+        pos = torch.tensor(key_meta_positions(head_dim, self.bits), device=tensors["k_scale"].device)
+        return tensors["k_scale"].float()[..., pos], tensors["k_zero"].float()[..., pos]
 
     def roundtrip(self, k: torch.Tensor, v: torch.Tensor, page_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Page-by-page roundtrip; keys are grouped per page, so the page size matters.

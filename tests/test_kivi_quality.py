@@ -16,7 +16,7 @@ import torch
 from kvgen.errors import SchemeCapabilityError
 from kvgen.registry import default_registry
 from kvgen.schemes import symbols
-from kvgen_plugins.kivi import pack, unpack, value_group
+from kvgen_plugins.kivi import key_meta_positions, pack, unpack, value_group
 
 H_Q, H_KV, D, TOKENS = 64, 8, 128, 4096
 
@@ -128,7 +128,7 @@ def test_roundtrip_error_per_element(name, head_dim, dtype):
     kd, vd = s.dequantize_page(t, head_dim)
     levels = 2 ** s.bits - 1
     g = value_group(head_dim)
-    ks, kz = t["k_scale"].float()[:, None, :], t["k_zero"].float()[:, None, :]
+    ks, kz = (x[:, None, :] for x in s.key_meta(t, head_dim))
     vs = t["v_scale"].float().repeat_interleave(g, -1)
     vz = t["v_zero"].float().repeat_interleave(g, -1)
     # eps: float16 rounding of the stored zero and scale (relative 2**-11 each), plus fp32 arithmetic.
@@ -257,6 +257,24 @@ def test_packing_golden_int2():
     assert t["v"][0].tolist() == [[0x9C, 0x36]] * 4
     kd, vd = s.dequantize_page(t, 8)
     assert torch.equal(kd, k) and torch.equal(vd, v)
+
+
+@pytest.mark.parametrize("name, head_dim, stored", [
+    ("int4", 16, [0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15]),     # bit-reversed in each group of 8
+    ("int2", 16, [0, 8, 2, 10, 1, 9, 3, 11, 4, 12, 6, 14, 5, 13, 7, 15]),
+    ("int2", 8, list(range(8))),                                            # no whole group of 16: as is
+])
+def test_key_metadata_order_golden(name, head_dim, stored):
+    """The page stores channel d's key zero and scale at key_meta_positions(d): the order the CUDA decode reads."""
+    s = scheme(name)
+    d = torch.arange(head_dim, dtype=torch.float32)
+    k = torch.stack([d, d + (2 ** s.bits - 1) * (d + 1)])[None]           # channel d: zero d, scale d + 1
+    t = s.quantize_page(k, k)
+    assert t["k_zero"][0].tolist() == [float(c) for c in stored]
+    assert t["k_scale"][0].tolist() == [float(c + 1) for c in stored]
+    assert [stored.index(c) for c in range(head_dim)] == key_meta_positions(head_dim, s.bits)
+    kd, _ = s.dequantize_page(t, head_dim)
+    assert torch.equal(kd, k)
 
 
 @pytest.mark.parametrize("bits", [4, 2])
