@@ -62,14 +62,14 @@ for D = 80; 8 for D = 8)::
     byte j of token t (int2):  [c 4j+3 | c 4j+2 | c 4j+1 | c 4j]  (2 bits each, low first)
 
 Key-metadata order (:func:`key_meta_positions`): channel ``d``'s scale and zero are stored at position
-``pos(d)``, a permutation inside each group of ``W = 32 // bits`` channels (the codes of one 32-bit word
-of a key row): for int4, bit-reversed positions (0 4 2 6 1 5 3 7); for int2, ``pos`` takes channel bits
-(3 2 1 0) to position bits (0 3 1 2). A trailing group narrower than W (int2 at D=8) is stored as is. The
-CUDA decode (``macros/cuda/kivi.j2``) reads the words of its key operands straight out of this order:
-each pair it multiplies into a score (channels i and i + W/2, the two halves of a register) is one
-stored word, and the zeros of two k-steps are one aligned 16-byte load that is an MMA operand as it
-stands; in channel order both took a byte permute each (a tenth of int4's decode tile loop). The
-Triton kernels index the order with the same arithmetic.
+``pos(d)``, a permutation inside each group of ``W = 32 // bits`` channels (the codes of one 32-bit word of
+a key row): for int4, bit-reversed positions (0 4 2 6 1 5 3 7); for int2, ``pos`` takes channel bits (3 2 1
+0) to position bits (0 3 1 2). A trailing group narrower than W (int2 at D=8) is stored as is. The CUDA
+decode (``macros/cuda/kivi.j2``) reads the words of its key operands straight out of this order: each pair
+it multiplies into a score (channels i and i + W/2, the two halves of a register) is one stored word, and
+the zeros of two k-steps are one aligned 16-byte load that is an MMA operand as it stands; in channel order
+both took a byte permute each (32 of the 501 instructions of int4's decode tile loop). The Triton kernels
+index the order with the same arithmetic.
 
 Packing interleaves neighbouring channels in one byte (channel ``F*j + i``
 in bits ``[i*bits, (i+1)*bits)``). A group of F channels never straddles the

@@ -113,6 +113,32 @@ def test_pdl_signals_where_the_decode_design_says(tmp_path):
     assert 0 <= red.find("griddepcontrol.wait") < red.find("griddepcontrol.launch_dependents") < red.find("ld.global")
 
 
+def _ptxas_decode_instances(spec: KernelSpec, tmp_path: Path) -> dict[tuple[int, int], dict[str, int]]:
+    """ptxas's report (``-Xptxas -v``) of every ``decode_kernel<NW, DEPTH>`` instance of ``spec``, built for sm_90a."""
+    from benchmarks.experiments.cuda_sass import NVCC_FLAGS, ptxas_report
+
+    src = tmp_path / f"{spec.name}.cu"
+    src.write_text(_sources(spec)[".cu"])
+    built = subprocess.run([NVCC, *NVCC_FLAGS, "-o", str(tmp_path / f"{spec.name}.cubin"), str(src)],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
+    report = ptxas_report(built.stderr)
+    assert report, "no decode_kernel instance in ptxas's report"
+    return report
+
+
+@needs_nvcc
+def test_decode_register_cap_holds_where_measured_and_spares_wider_tiles(tmp_path):
+    """The decode kernel is held to 128 registers (16 warps an SM) at D <= 128 with groups of at most 8, where the
+    lazy rescale's branch otherwise took int4 past 150 (decode.cu.j2, lazy rescale); wider heads or groups keep
+    what ptxas takes: held to 128, int8 at a group of 16 spilled about 190 bytes a thread."""
+    capped = _ptxas_decode_instances(_spec("int4", head_dim=128, gqa=8, heads=2), tmp_path)
+    assert all(r["regs"] <= 128 for r in capped.values()), capped
+    wide = _ptxas_decode_instances(_spec("int8", head_dim=128, gqa=16, heads=2), tmp_path)
+    assert all(r.get("spill_st", 0) == 0 for r in wide.values()), wide
+    assert max(r["regs"] for r in wide.values()) > 128, wide
+
+
 @needs_nvcc
 def test_fp8_reader_builds_before_sm_89(tmp_path):
     """The fp8 reader converts codes with cvt.rn.f16x2.e4m3x2 from sm_89 and by bit arithmetic before (the CUDA
