@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import pdl, projection_store, small_gemm
+from . import fused, pdl, projection_store, small_gemm
 
 SOURCE = Path(__file__).with_name("gemv.cu")
 ABI_VERSION = 2
@@ -154,6 +154,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         elif config is not None and supports(x, weight, bias):
             return _launch(x, weight, bias, config)
     return nn.functional.linear(x, weight, bias)
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of a gate|up projection (``weight [2I, K]``: gate rows, then up rows) -> ``[m, I]``.
+
+    Where :func:`choose` picked the small GEMM for this shape and row bucket, one launch of it with the SiLU in
+    its epilogue (``gated``); elsewhere :func:`linear` then :func:`.fused.silu_mul`. Both round as Hugging
+    Face's eager MLP does. The choice is the plain projection's: the gated epilogue reads the same weight tiles
+    and saves the SiLU kernel, so where the small GEMM beat cuBLAS alone it beats cuBLAS and the SiLU kernel."""
+    if x.is_cuda and x.dim() == 2 and small_gemm.MIN_ROWS <= x.shape[0] <= MAX_CHOICE_ROWS and _CHOICES:
+        config = _CHOICES.get(_key(x, weight, bias))
+        if isinstance(config, small_gemm.Config) and small_gemm.supports(x, weight, bias, config, gated=True):
+            return small_gemm.launch_supported(x, weight, bias, config, gated=True)
+    return fused.silu_mul(linear(x, weight, bias))
 
 
 @dataclass(frozen=True)

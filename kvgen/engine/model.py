@@ -14,7 +14,8 @@ norm + RoPE into contiguous q, k, v (what the cache write and attention
 read, so no copies), and SiLU(gate) * up. The projections go through
 :func:`.gemv.linear`: ``nn.functional.linear``, or for the rows of a
 small decode batch (up to 64) kvgen's GEMV or small GEMM where the decode
-graphs found it faster.
+graphs found it faster; where the small GEMM runs gate/up, SiLU * up is
+its epilogue (:func:`.gemv.gated_linear`) and no kernel of its own.
 
 ``forward(input_ids, positions, attend)`` runs every layer over the step's
 flat tokens; ``attend(layer, q, k, v)`` (``q [T, Hq, D]``, ``k``/``v``
@@ -149,8 +150,7 @@ class MLP(nn.Module):
         self.inter = I
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = gemv.linear(x, self.gate_up_weight, self.gate_up_bias)
-        return self.down_proj(fused.silu_mul(gate_up))
+        return self.down_proj(gemv.gated_linear(x, self.gate_up_weight, self.gate_up_bias))
 
 
 class DecoderLayer(nn.Module):

@@ -95,11 +95,14 @@ def candidates(n: int, k: int, num_sms: int, rows: int | None = None,
     return out
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config,
+             gated: bool = False) -> bool:
     """Whether :func:`small_gemm` takes these tensors with ``config``: ``MIN_ROWS..MAX_ROWS`` rows of x
     ``[m, K]`` with unit stride in k, a contiguous weight ``[N, K]`` of the same dtype and device, K a multiple
-    of the config's k block, a contiguous bias ``[N]`` or none."""
+    of the config's k block, a contiguous bias ``[N]`` or none; ``gated``: N even (gate rows, then up rows)."""
     if x.dim() != 2 or weight.dim() != 2 or not MIN_ROWS <= x.shape[0] <= MAX_ROWS:
+        return False
+    if gated and weight.shape[0] % 2:
         return False
     K = weight.shape[1]
     # float32 only under the interpreter (tests): on a GPU tl.dot would round its inputs to tf32
@@ -148,8 +151,13 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config) -> torch.Tensor:
+def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config,
+               gated: bool = False) -> torch.Tensor:
     """``x [m, K] @ weight [N, K]^T (+ bias)`` -> a new ``[m, N]`` in x's dtype; float32 accumulation, one rounding.
+
+    ``gated``: ``weight`` is a gate|up projection (gate rows, then as many up rows) and the result is
+    ``silu(gate) * up`` ``[m, N/2]``, rounded as Hugging Face's eager MLP rounds (:func:`.fused.silu_mul`'s
+    rounding): one kernel, no ``[m, N]`` intermediate.
 
     Runs on CUDA, or under the Triton interpreter on the CPU (tests). No host synchronization: CUDA graphs
     capture it (after a warm-up on the capture stream: :func:`_arrival_counters`). Raises ValueError for
@@ -157,22 +165,25 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     a tile whose stages do not fit this GPU's shared memory.
     """
     interpret = triton_interpret()
-    if not supports(x, weight, bias, config) or x.device.type != ("cpu" if interpret else "cuda"):
+    if not supports(x, weight, bias, config, gated) or x.device.type != ("cpu" if interpret else "cuda"):
         raise ValueError(f"small_gemm takes {MIN_ROWS}..{MAX_ROWS} rows of x [m, K] (unit stride in K) and a "
                          f"contiguous weight [N, K] of one dtype on one device (CUDA, or the CPU under "
-                         f"TRITON_INTERPRET), K a multiple of {config.block_k}; got x {list(x.shape)} {x.dtype} "
+                         f"TRITON_INTERPRET), K a multiple of {config.block_k}"
+                         f"{', N even (gate|up)' if gated else ''}; got x {list(x.shape)} {x.dtype} "
                          f"strides {x.stride()} on {x.device}, weight {list(weight.shape)} {weight.dtype}")
-    return launch_supported(x, weight, bias, config, interpret)
+    return launch_supported(x, weight, bias, config, interpret, gated)
 
 
 def launch_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config,
-                     interpret: bool = False) -> torch.Tensor:
+                     interpret: bool = False, gated: bool = False) -> torch.Tensor:
     """:func:`small_gemm` without its checks, for a caller that has checked :func:`supports` (``gemv.linear``,
     once a projection call); ``interpret``: the Triton interpreter runs it (CPU tensors)."""
     m, (N, K) = x.shape[0], weight.shape
     bm = row_block(m)
+    if gated:  # a program reads block_n weight rows, half gate and half up, for block_n / 2 output columns
+        N //= 2
     out = torch.empty(m, N, dtype=x.dtype, device=x.device)
-    n_blocks = -(-N // config.block_n)
+    n_blocks = -(-N // (config.block_n // 2 if gated else config.block_n))
     split = max(1, min(config.split_k, K // config.block_k))
     if split > 1:
         partials = torch.empty(split * n_blocks * bm * config.block_n, dtype=torch.float32, device=x.device)
@@ -187,5 +198,5 @@ def launch_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     _kernel(interpret)[(n_blocks, split)](
         x, weight, bias if bias is not None else out, out, partials, counters, m, N, K, x.stride(0), out.stride(0),
         split, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT=split > 1, **opts)
+        SPLIT=split > 1, GATED=gated, **opts)
     return out

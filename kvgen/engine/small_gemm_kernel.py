@@ -20,7 +20,7 @@ INTERPRET = triton_interpret()
 @triton.jit(do_not_specialize=["m", "split_k"])
 def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m, n, k, stride_x, stride_out, split_k,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+                      SPLIT: tl.constexpr, PDL: tl.constexpr = False, GATED: tl.constexpr = False):
     """``out[i, j] = sum_k x[i, k] w[j, k] (+ bias[j])`` for ``i < m <= BLOCK_M``: program (pid_n, pid_k) owns
     output columns ``[pid_n BLOCK_N, +BLOCK_N)`` and its share of k, a whole number of BLOCK_K blocks.
 
@@ -35,6 +35,12 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
     launches may share counters). No second kernel, no memset.
     Contract (the launcher checks it): k % BLOCK_K == 0, w row-major ``[n, k]``, x rows unit-stride in k.
 
+    GATED (a gate|up projection): w is ``[2n, k]``, gate rows then up rows, and
+    ``out[i, j] = silu(gate[i, j]) * up[i, j]`` for ``j < n``. A program's BLOCK_N weight rows are then
+    BLOCK_N/2 gate rows and the up rows of the same columns, one tile for the dot as before, and it writes
+    BLOCK_N/2 output columns: the decode step runs no separate SiLU kernel (and does not write and re-read
+    the ``[m, 2n]`` gate|up output). Rounded where Hugging Face's eager MLP rounds (:func:`_finish`).
+
     The strides are specialized (Triton learns that a row stride is a multiple of 16 elements): with x's row
     stride unspecialized it loaded x two bytes at a time, synchronously (LDG + STS, no cp.async), and the
     kernel read the weights at 0.3-0.8 of the copy bandwidth instead of 0.7-0.97 (H200, 2026-12-04;
@@ -45,12 +51,19 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
         tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_kb = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < n
     m_ok = offs_m < m
-    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)  # rows past n read row 0 (computed, never stored): no load mask
+    if GATED:
+        # tile row r < BLOCK_N/2: gate row of output column c(r); the rest: the up rows of the same columns
+        half = tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
+        cols = pid_n * (BLOCK_N // 2) + half
+        n_ok = cols < n
+        rows = tl.where(n_ok, cols + (tl.arange(0, BLOCK_N) // (BLOCK_N // 2)) * n, 0).to(tl.int64)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n
+        rows = tl.where(n_ok, offs_n, 0).to(tl.int64)  # rows past n read row 0 (computed, never stored): no load mask
     blocks = k // BLOCK_K
     per_split = tl.cdiv(blocks, split_k)
     b_lo = pid_k * per_split
@@ -66,12 +79,8 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
     if PDL:
         # the weights are read: the next kernel's programs may launch (and wait for this one's completion)
         tl.extra.cuda.gdc_launch_dependents()
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
-    out_mask = n_ok[:, None] & m_ok[None, :]
     if not SPLIT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _finish(acc, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N, GATED)
     else:
         n_blocks = tl.num_programs(0)
         tile = offs_m[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BLOCK_N, BLOCK_M] in a slot
@@ -85,7 +94,30 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(split_k):
                 total += tl.load(part_ptr + (s * n_blocks + pid_n).to(tl.int64) * slot + tile, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            _finish(total, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, HAS_BIAS, BLOCK_M,
+                    BLOCK_N, GATED)
             tl.store(counter_ptr + pid_n, 0)
+
+
+@triton.jit
+def _finish(acc, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, HAS_BIAS: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """Store a program's summed ``acc [BLOCK_N, BLOCK_M]`` (``out^T``) with its bias: as it stands, or GATED,
+    ``silu(gate) * up`` of its two halves -- the gate and up outputs rounded to the model dtype first, then the
+    SiLU, then the product, as Hugging Face's eager MLP (and :func:`kvgen.engine.fused.silu_mul`) round."""
+    dt = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    if GATED:
+        both = tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0))
+        gate, up = tl.split(both)
+        gate = gate.to(dt).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        y = act * up.to(dt).to(tl.float32)
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + cols[:, None], y.to(dt),
+                 mask=(cols < n)[:, None] & m_ok[None, :])
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None], acc.to(dt),
+                 mask=n_ok[:, None] & m_ok[None, :])

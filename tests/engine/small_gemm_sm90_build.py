@@ -27,9 +27,11 @@ def main() -> None:
         for block_n, block_k, stages, warps in small_gemm.TILES:
             if small_gemm.shared_bytes(small_gemm.Config(block_n, block_k, 1, warps, stages), block_m) > 227 << 10:
                 continue  # does not fit an H100/H200's shared memory: the chooser does not time it there
-            for split in (False, True):
+            # the gated epilogue (gate|up with SiLU) at the decode graphs' bucket of 32 rows
+            for split, gated in ((False, False), (True, False)) + (((False, True), (True, True)) if block_m == 32
+                                                                  else ()):
                 consts = {"HAS_BIAS": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                          "SPLIT": split, "PDL": True}
+                          "SPLIT": split, "PDL": True, "GATED": gated}
                 ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                         "part_ptr": "*fp32", "counter_ptr": "*i32"}
                 # specialized as the JIT specializes at a Llama layer's launch: n, k and the row strides are
@@ -40,6 +42,7 @@ def main() -> None:
                 ptx = k.asm["ptx"]
                 loops = [[opcode(i) for i in body] for body in loop_bodies(sass)]
                 out.append({"block_m": block_m, "tile": [block_n, block_k, stages, warps], "split": split,
+                            "gated": gated,
                             "registers": regs, "spill_bytes": spills,
                             "loops": [{op: ops.count(op) for op in ("LDG", "LDGSTS", "STS", "HGMMA")}
                                       for ops in loops],

@@ -97,6 +97,49 @@ def test_matches_float64_every_bucket_split_and_tail(interpret, dtype):
     assert all(int(c.abs().sum()) == 0 for c in small_gemm._COUNTERS.values())
 
 
+def _gated_reference(x, w, b, dtype):
+    """silu(gate) * up in float64, rounded where HF's eager MLP rounds (the gate/up outputs, the SiLU)."""
+    y = _reference(x, w, b).to(dtype).double()
+    gate, up = y.chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate).to(dtype).double() * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gated_matches_float64_every_bucket_split_and_tail(interpret, dtype):
+    """The gated epilogue (a gate|up projection's silu(gate) * up, one launch) against float64, and against the
+    plain launch followed by fused.silu_mul: every row bucket, split and bias, with a ragged column tail."""
+    from kvgen.engine import fused
+
+    g = torch.Generator().manual_seed(6)
+    inter, k = 100, 256  # 100 output columns: a ragged last block of 32 and of 64
+    w = torch.randn(2 * inter, k, generator=g).to(dtype)
+    b = torch.randn(2 * inter, generator=g).to(dtype)
+    wide = torch.randn(64, k + 64, generator=g).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    for m in (5, 17, 64):
+        x = wide[:m, :k]
+        for cfg in (small_gemm.Config(64, 128, 1), small_gemm.Config(128, 64, 2), small_gemm.Config(64, 64, 4)):
+            for bias in (None, b):
+                y = small_gemm.small_gemm(x, w, bias, cfg, gated=True)
+                assert y.shape == (m, inter) and y.dtype == dtype and torch.isfinite(y).all()
+                assert _rel_l2(y, _gated_reference(x, w, bias, dtype)) < tol, (m, cfg, bias is None)
+                two_kernels = fused.silu_mul(small_gemm.small_gemm(x, w, bias, cfg))
+                assert _rel_l2(y, two_kernels.double()) < tol, (m, cfg, bias is None)
+    assert all(int(c.abs().sum()) == 0 for c in small_gemm._COUNTERS.values())
+    with pytest.raises(ValueError, match="N even"):
+        small_gemm.small_gemm(wide[:8, :k], w[:-1], None, small_gemm.Config(64, 128, 1), gated=True)
+
+
+def test_gated_linear_off_the_small_gemm_is_linear_then_silu_mul():
+    """Where the small GEMM was not chosen (the CPU here), gated_linear is the plain projection and the SiLU
+    kernel, exactly."""
+    from kvgen.engine import fused
+
+    g = torch.Generator().manual_seed(7)
+    x, w, b = torch.randn(9, 128, generator=g), torch.randn(96, 128, generator=g), torch.randn(96, generator=g)
+    assert torch.equal(gemv.gated_linear(x, w, b), fused.silu_mul(nn.functional.linear(x, w, b)))
+
+
 def test_a_row_does_not_depend_on_its_neighbours_in_the_bucket(interpret):
     """Rows 0..19 of a 32-row call equal a 20-row call's: an eager step computes each row as its graph bucket."""
     g = torch.Generator().manual_seed(4)
@@ -118,6 +161,8 @@ def test_poisoned_partials_and_output_never_leak(interpret, monkeypatch):
     x, w = torch.randn(12, 384, generator=g), torch.randn(130, 384, generator=g)
     y = small_gemm.small_gemm(x, w, None, small_gemm.Config(64, 128, 3))
     assert torch.isfinite(y).all() and _rel_l2(y, _reference(x, w, None)) < 1e-5
+    y = small_gemm.small_gemm(x, w, None, small_gemm.Config(64, 128, 3), gated=True)
+    assert torch.isfinite(y).all() and _rel_l2(y, _gated_reference(x, w, None, torch.float32)) < 1e-5
 
 
 def test_refusal_message(interpret):
@@ -153,6 +198,12 @@ def test_gpu_matches_float64(dtype, n, k):
                     continue
                 # one rounding of a float32 sum: as close as cuBLAS's result, within a rounding step
                 assert _rel_l2(y, ref) <= max(2 * torch_err, 4e-3), (m, cfg, bias is None)
+                if n % 2 == 0 and m in (5, 32):  # the gated epilogue of a gate|up projection
+                    y = small_gemm.small_gemm(x, w, bias, cfg, gated=True)
+                    gated_ref = _gated_reference(x, w, bias, dtype)
+                    torch_gated = torch.nn.functional.silu(nn.functional.linear(x, w, bias).chunk(2, -1)[0])
+                    torch_gated = torch_gated * nn.functional.linear(x, w, bias).chunk(2, -1)[1]
+                    assert _rel_l2(y, gated_ref) <= max(2 * _rel_l2(torch_gated, gated_ref), 8e-3), (m, cfg)
 
 
 @pytest.mark.gpu
