@@ -534,11 +534,15 @@ def test_layer_ops_never_touch_host_data():
         else:
             assert pools is cache.pools[layer]
     ops = [op for op, _, _ in log]
-    per_layer = ["page_copy", "cache_write"] + (["page_quantize"] if scheme == "int4" else []) + ["decode"]
+    # int4: the attention reads the step's tables before its conversions, which run after it (.preconversion)
+    per_layer = ["page_copy", "cache_write", "decode"] + (["page_quantize"] if scheme == "int4" else [])
     assert ops == per_layer * cache.num_layers
-    decode_call = log[-1]
+    decode_call = [c for c in log if c[0] == "decode"][-1]
     assert decode_call[2]["config"]["op"] == "decode"
-    assert decode_call[1][3] is step.block_tables  # the step's tensors, not copies
+    # the step's tensors, not copies (int4: its pre-conversion view, computed once for every layer)
+    assert decode_call[1][3] is (step.pre_view[0] if scheme == "int4" else step.block_tables)
+    if scheme == "int4":
+        assert decode_call[1][5] is step.pre_view[1]
 
 
 # ------------------------------------------------------------------ the generated package stands alone

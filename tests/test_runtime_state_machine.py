@@ -155,12 +155,13 @@ class RuntimeMachine(RuleBasedStateMachine):
         kv = torch.stack(rows)
         return kv[:, 0], kv[:, 1]
 
-    def _expected(self, layer: int, sid: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What ``read_kv`` must return: ``[H, n, D]`` float32, as the scheme stores the sequence."""
+    def _expected(self, layer: int, sid: int, nc: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``read_kv`` must return: ``[H, n, D]`` float32, as the scheme stores the sequence (``nc``: read
+        only that many pages compressed, the rest in the compute dtype; default: as the books say)."""
         n, P = len(self.tokens[sid]), self.c.page
         k, v = self._kv(layer, sid, 0, n)
         k, v = k.to(self.c.dtype).float(), v.to(self.c.dtype).float()  # the cache stores compute-dtype values
-        nc = self.bm.num_compressed(sid)
+        nc = self.bm.num_compressed(sid) if nc is None else nc
         ks, vs = [], []
         for p in range(nc):
             kp = k[p * P:(p + 1) * P].permute(1, 0, 2)
@@ -232,8 +233,9 @@ class RuntimeMachine(RuleBasedStateMachine):
         new = [data.draw(st.lists(st.integers(0, 999), min_size=n, max_size=n)) for n in counts]
         ids = new if with_ids else None
         before = self._snapshot()
+        nc_before = {s: self.bm.num_compressed(s) for s in batch}
         try:
-            self.cache.plan_step(batch, counts, token_ids=ids)
+            planned = self.cache.plan_step(batch, counts, token_ids=ids)
         except OutOfPages:
             assert self._snapshot() == before, "OutOfPages changed the runtime's state"
             self.cache.free(batch[-1])  # preempt, as an engine would
@@ -262,15 +264,23 @@ class RuntimeMachine(RuleBasedStateMachine):
                 out = self.cache.prefill(layer, q, None, None, batch)
             assert out.shape == q.shape and torch.isfinite(out).all()
             if decode:
-                self._check_decode(layer, batch, q, out)
+                # decode given k and v attends before the step's page conversions: a page leaving the residual
+                # window is read from its residual copy in this step (kvgen/runtime/preconversion.py)
+                first = (mode == "decode_kv" and planned.num_conversions > 0 and planned.cold is None
+                         and len(planned.phases) == 1)
+                nc = {s: self.bm.num_compressed(s) - (first and self.bm.num_compressed(s) > nc_before[s])
+                      for s in batch}
+                self._check_decode(layer, batch, q, out, nc)
         self._check_contents()
 
     # -- checks -------------------------------------------------------------------
-    def _check_decode(self, layer: int, batch: list, q: torch.Tensor, out: torch.Tensor) -> None:
-        """decode attends each sequence's whole history, read as the scheme stores it."""
+    def _check_decode(self, layer: int, batch: list, q: torch.Tensor, out: torch.Tensor,
+                      nc: dict | None = None) -> None:
+        """decode attends each sequence's whole history, read as the scheme stores it (the first ``nc[sid]``
+        pages compressed; without ``nc``, as the books say)."""
         G = HQ // H
         for b, sid in enumerate(batch):
-            ek, ev = self._expected(layer, sid)
+            ek, ev = self._expected(layer, sid, None if nc is None else nc[sid])
             kk, vv = ek.double().repeat_interleave(G, 0), ev.double().repeat_interleave(G, 0)
             s = torch.einsum("hd,hsd->hs", q[b].double(), kk) * D ** -0.5
             ref = torch.einsum("hs,hsd->hd", s.softmax(-1), vv)

@@ -12,9 +12,15 @@ their outputs are dropped.
 Schemes with residual pages (int4 keeps the partly filled tail page in the
 compute dtype) convert a page each time one fills, i.e. in most decode
 steps of a large batch; for them each bucket gets a second graph that runs
-page_quantize after each layer's write, over ``b`` static (src, dst) pairs:
-the step's conversions, padded with src -1, which the kernel skips (a
-step converting one page pays for one, not ``b``). A step replays when it is a
+page_quantize after each layer's attention, over ``b`` static (src, dst)
+pairs: the step's conversions, padded with src -1, which the kernel skips (a
+step converting one page pays for one, not ``b``). Its attention reads the
+converted pages from their residual copies (the tables before the
+conversions, computed in the graph: :mod:`kvgen.runtime.preconversion`, as
+``KVCache.decode`` does), so the conversions run on a side stream beside the
+next kernels, joined at the step's end: launched between the write and the
+attention, their latency (~6 us a layer on an H200 whatever the page count)
+cost a Llama-3-8B step at batch 32 some 0.12-0.21 ms. A step replays when it is a
 pure decode step in a single phase without copy-on-write copies (the first
 step after a fork has them) and without cold pages (a host tier's pages
 staged inside the layer loop); anything else runs eagerly through the
@@ -37,6 +43,8 @@ from typing import Any
 
 import torch
 
+from kvgen.runtime.preconversion import pre_conversion_view
+
 from . import gemv, pdl
 from .model import CausalLM
 
@@ -53,8 +61,10 @@ class DecodeGraphs:
     """Captured decode graphs over ``model`` and ``cache`` (a KVCache on a CUDA device)."""
 
     def __init__(self, model: CausalLM, cache: Any, max_batch: int, max_model_len: int, *, verbose: bool = True,
-                 capture: bool = True) -> None:
-        """``capture=False`` runs the same static-buffer steps eagerly (any device): tests of the graph path."""
+                 capture: bool = True, conversions_after_attention: bool = True) -> None:
+        """``capture=False`` runs the same static-buffer steps eagerly (any device): tests of the graph path.
+        ``conversions_after_attention=False``: a converting step's conversions run between each layer's write
+        and its attention, which reads them compressed (the order before 2026-12-04, for comparisons)."""
         self.model, self.cache = model, cache
         dev = cache.device
         self.buckets = buckets_for(max_batch)
@@ -69,6 +79,9 @@ class DecodeGraphs:
         self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.conv_src = torch.zeros(n, dtype=torch.int32, device=dev)
         self.conv_dst = torch.zeros(n, dtype=torch.int32, device=dev)
+        # a converting step's tables before its conversions (the attention reads them: .preconversion)
+        self.pre_tables = torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev)
+        self.pre_compressed = torch.zeros(n, dtype=torch.int32, device=dev)
         self.residual = getattr(cache, "residual_tokens", None) is not None
         # the decode kernel's split arrival counters, owned here: every graph keeps their address
         make_counters = getattr(cache.kernels["decode"], "split_counters", None)
@@ -84,6 +97,9 @@ class DecodeGraphs:
         # the per-stream split counters of a package whose decode module has no split_counters) then
         # exists before the capture, not inside it.
         stream = torch.cuda.Stream(dev) if capture else None
+        # where a captured graph's page conversions run, beside the kernels after each layer's attention
+        self.after = conversions_after_attention
+        self.side = torch.cuda.Stream(dev) if capture and self.after else None
         # the projections' kernel per small bucket, decided before any capture keeps it (what won, and the times)
         self.gemv_choices = gemv.choose(model, [b for b in self.buckets if b <= gemv.MAX_CHOICE_ROWS],
                                         verbose=verbose, saved=gemv.store(dev)) if capture else []
@@ -92,14 +108,13 @@ class DecodeGraphs:
             if verbose:
                 print(f"\rkvgen: capturing decode graphs {i + 1}/{len(variants)} (batch {b})",
                       end="", file=sys.stderr, flush=True)
-            attend = self._attend(*key)
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
-                model(self.ids[:b], self.pos[:b], attend)  # warm-up: Triton compiles outside the capture
+                self._forward(*key)  # warm-up: Triton compiles outside the capture
             torch.cuda.synchronize(dev)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, stream=stream):
-                self.outputs[key] = model(self.ids[:b], self.pos[:b], attend)
+                self.outputs[key] = self._forward(*key)
             pool = g.pool()
             self.graphs[key] = g
         if capture:
@@ -107,17 +122,33 @@ class DecodeGraphs:
         if verbose and capture:
             print(file=sys.stderr)
 
+    def _forward(self, b: int, convert: bool) -> torch.Tensor:
+        """The step of bucket ``b`` on the static buffers (what a graph captures): a converting one computes
+        its pre-conversion tables first, and its conversions, launched on the side stream after each layer's
+        attention when capturing, are joined before it ends."""
+        if convert and self.after:
+            pre_conversion_view(self.block_tables[:b], self.num_compressed[:b], self.conv_src[:b],
+                                self.conv_dst[:b], self.pre_tables[:b], self.pre_compressed[:b])
+        hidden = self.model(self.ids[:b], self.pos[:b], self._attend(b, convert))
+        if convert and self.side is not None:
+            torch.cuda.current_stream(hidden.device).wait_stream(self.side)
+        return hidden
+
     def _attend(self, b: int, convert: bool):
         cache = self.cache
         write, decode = cache.kernels["cache_write"], cache.kernels["decode"]
         quantize = cache.kernels.get("page_quantize") if convert else None
+        side = self.side
         # the runtime's config for this batch at the longest context (a graph serves every length up to it;
         # the kernel divides each sequence's pages among its splits); a package whose runtime predates
         # kernel_config gets the kernel's shape default
         pick = getattr(cache, "kernel_config", None)
         config = pick("decode", (b, self.max_pages * cache.page_size)) if pick is not None else None
-        slots, tables = self.slots[:b], self.block_tables[:b]
-        lens, ncomp = self.seq_lens[:b], self.num_compressed[:b]
+        slots, lens = self.slots[:b], self.seq_lens[:b]
+        # a converting step attends before its conversions (KVCache.decode's order; .preconversion)
+        after = convert and self.after
+        tables = self.pre_tables[:b] if after else self.block_tables[:b]
+        ncomp = self.pre_compressed[:b] if after else self.num_compressed[:b]
         src, dst = self.conv_src[:b], self.conv_dst[:b]
         counters = {} if self.counters is None else {"counters": self.counters}
 
@@ -125,11 +156,20 @@ class DecodeGraphs:
             pools = cache.pools[layer]
             on = pdl.enabled(q)  # the runtime's kernels overlap their launches with the step's others too
             write.launch(k.contiguous(), v.contiguous(), pools, slots, pdl=on)
-            if quantize is not None:
+            if quantize is not None and not after:
                 quantize.launch(pools, src, dst, pdl=on)
             out = torch.empty_like(q)
             decode.launch(q.contiguous(), out, pools, tables, lens, ncomp, cache.sm_scale, config=config,
                           pdl=on, **counters)
+            if quantize is not None and after:
+                if side is None:
+                    quantize.launch(pools, src, dst)
+                else:
+                    # off the layer chain: nothing of this step reads the compressed pages, and the residual
+                    # ones stay until the step ends (joined in _forward)
+                    side.wait_stream(torch.cuda.current_stream(q.device))
+                    with torch.cuda.stream(side):
+                        quantize.launch(pools, src, dst)
             return out
 
         return attend
@@ -164,6 +204,6 @@ class DecodeGraphs:
                 self.conv_src[M:b].fill_(-1)
         key = (b, M > 0)
         if not self.capture:
-            return self.model(self.ids[:b], self.pos[:b], self._attend(*key))[:B]
+            return self._forward(*key)[:B]
         self.graphs[key].replay()
         return self.outputs[key][:B]

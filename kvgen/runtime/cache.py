@@ -31,7 +31,8 @@ the earlier tokens (the cached prefix) from the pages; the pages keep the
 chunk in the scheme's format for later steps. ``prefill(layer, q, None,
 None)`` after ``append_kv`` reads every key from the pages, chunk included,
 and ``decode`` always reads the whole history, the new token too, from the
-pages.
+pages (given k and v, a page the step converts from its residual copy,
+before the conversion: :mod:`.preconversion`).
 
 This module holds the cache's sequences, step planning and per-layer ops,
 and :func:`load`; the host tier's operations are in :mod:`.cache_tier`, the
@@ -53,6 +54,7 @@ from .cache_kernels import REQUIRED_OPS, KernelConfigMixin, _check_kernels_can_r
 from .cache_tier import HostTierMixin
 from .errors import KvgenRuntimeError, seq_id_list
 from .page_pool import PagePool, _indexed, default_device, pool_sizes
+from .preconversion import pre_conversion_view
 from .step import DeviceBuffers, StepMetadata, build_step
 
 
@@ -335,8 +337,9 @@ class KVCache(HostTierMixin, KernelConfigMixin):
         self._write(step, layer, pools, k, v)
 
     def _write(self, step: StepMetadata, layer: int, pools: dict[str, torch.Tensor],
-               k: torch.Tensor, v: torch.Tensor) -> None:
-        # append_kv's body for inputs already checked by _as_input (prefill checks them once for both uses)
+               k: torch.Tensor, v: torch.Tensor, convert: bool = True) -> None:
+        # append_kv's body for inputs already checked by _as_input (prefill checks them once for both uses);
+        # convert=False: the caller runs the conversions itself (decode, after its attention)
         if layer in step.written:
             raise KvgenRuntimeError(f"layer {layer} was already written this step; plan a new step first")
         single = len(step.phases) == 1
@@ -349,9 +352,18 @@ class KVCache(HostTierMixin, KernelConfigMixin):
                 else:
                     self.kernels["cache_write"].launch(k[ph.start:ph.end], v[ph.start:ph.end], pools,
                                                        ph.slot_mapping)
-            if ph.conversions is not None:
+            if ph.conversions is not None and convert:
                 self.kernels["page_quantize"].launch(pools, ph.conversions[0], ph.conversions[1])
         step.written.add(layer)
+
+    @staticmethod
+    def _conversions_after_attention(step: StepMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step's conversions ``(src, dst)`` when its attention may run before them (its pre-conversion
+        view: :mod:`.preconversion`): one phase that converts, no cold pages (their per-layer tables are the
+        host tier's); else None."""
+        if step.cold is not None or len(step.phases) != 1:
+            return None
+        return step.phases[0].conversions
 
     def _check_written(self, step: StepMetadata, layer: int) -> None:
         if step.total_tokens and layer not in step.written:
@@ -365,6 +377,12 @@ class KVCache(HostTierMixin, KernelConfigMixin):
 
         The step must add exactly one token per sequence; pass ``k``, ``v``
         (``[B, H_kv, D]``) to write them first, or call :meth:`append_kv`.
+
+        Given ``k`` and ``v`` in a step that converts pages (a residual scheme's page leaving the residual
+        window), the attention runs before the conversions and reads those pages from their residual copies, in the
+        compute dtype (:mod:`.preconversion`; the engine's CUDA graphs do the same, and overlap the
+        conversions with the next kernels); after :meth:`append_kv` the pages are converted already and read
+        compressed. Either way they are compressed when the call returns.
         """
         step = self._current(seq_ids)
         pools = self._layer(layer)
@@ -372,13 +390,25 @@ class KVCache(HostTierMixin, KernelConfigMixin):
             raise KvgenRuntimeError("decode needs a step adding one token per sequence; use prefill for this step")
         q = self._as_input("q", q, step.batch, self.num_q_heads)  # checked before anything is written
         out = self._out(out, q)
-        if k is not None or v is not None:
+        after = None
+        if k is not None and v is not None and (after := self._conversions_after_attention(step)) is not None:
+            k = self._as_input("k", k, step.total_tokens, self.num_kv_heads)
+            v = self._as_input("v", v, step.total_tokens, self.num_kv_heads)
+            self._write(step, layer, pools, k, v, convert=False)
+        elif k is not None or v is not None:
             self.append_kv(layer, None, k, v)
         self._check_written(step, layer)
         pools, tables = self._attention(step, layer)
-        self.kernels["decode"].launch(q, out, pools, tables, step.seq_lens, step.num_compressed,
+        num_compressed = step.num_compressed
+        if after is not None:
+            if step.pre_view is None:  # once a step, for every layer
+                step.pre_view = pre_conversion_view(tables, num_compressed, *after)
+            tables, num_compressed = step.pre_view
+        self.kernels["decode"].launch(q, out, pools, tables, step.seq_lens, num_compressed,
                                       self.sm_scale if sm_scale is None else sm_scale,
                                       config=step.configs.get("decode"))
+        if after is not None:
+            self.kernels["page_quantize"].launch(pools, *after)
         return out
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,

@@ -109,6 +109,9 @@ class StepMetadata:
     cold: ColdStage | None = None
     """The step's cold pages (host tier) and per-layer block tables reaching the staging ring; None when
     no sequence of the step has cold pages (then nothing about the host tier costs anything)."""
+    pre_view: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The step's ``(block_tables, num_compressed)`` before its conversions, once a decode computed it
+    (:mod:`.preconversion`); None until then."""
     decode_rows: DecodeRows | None = None
     """A mixed step's one-token sequences (see :class:`DecodeRows`); None unless some sequence adds one
     token and another adds more."""
