@@ -170,6 +170,24 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return fused.silu_mul(linear(x, weight, bias))
 
 
+def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                    head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q, k, v`` of a q|k|v projection with RoPE on q and k, as :func:`.fused.qkv_rope` returns them for
+    :func:`linear`'s output (no q/k norms: Qwen3's go through those two).
+
+    Where :func:`choose` picked the small GEMM for this shape and row bucket and its column block holds whole
+    rotation pairs, one launch of it with the rotation in its epilogue (:class:`.small_gemm.Rope`); elsewhere the
+    projection, then the RoPE kernel. The choice is the plain projection's, as for :func:`gated_linear`."""
+    if x.is_cuda and x.dim() == 2 and small_gemm.MIN_ROWS <= x.shape[0] <= MAX_CHOICE_ROWS and _CHOICES:
+        config = _CHOICES.get(_key(x, weight, bias))
+        if isinstance(config, small_gemm.Config):
+            rope = small_gemm.Rope(num_q_heads, num_kv_heads, head_dim, positions, cos, sin)
+            if small_gemm.supports(x, weight, bias, config, rope=rope):
+                return small_gemm.launch_supported(x, weight, bias, config, rope=rope)
+    return fused.qkv_rope(linear(x, weight, bias), positions, cos, sin, num_q_heads, num_kv_heads, head_dim)
+
+
 @dataclass(frozen=True)
 class Choice:
     """What :func:`choose` decided for one weight shape and row count (times in ms per call)."""

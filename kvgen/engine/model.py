@@ -127,11 +127,15 @@ class Attention(nn.Module):
     def forward(self, layer: int, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
                 attend: Attend) -> torch.Tensor:
         T, D = x.shape[0], self.cfg.head_dim
-        qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias)
-        # one kernel: contiguous q, k, v (no copies before the cache write), q/k norms, RoPE
-        norms = (self.q_norm.weight, self.k_norm.weight) if self.cfg.qk_norm else (None, None)
-        q, k, v = fused.qkv_rope(qkv, positions, rotary.cos, rotary.sin, self.sizes[0] // D, self.sizes[1] // D, D,
-                                 *norms, eps=self.cfg.rms_norm_eps)
+        heads = (self.sizes[0] // D, self.sizes[1] // D, D)
+        if self.cfg.qk_norm:
+            qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias)
+            # one kernel: contiguous q, k, v (no copies before the cache write), q/k norms, RoPE
+            q, k, v = fused.qkv_rope(qkv, positions, rotary.cos, rotary.sin, *heads, self.q_norm.weight,
+                                     self.k_norm.weight, eps=self.cfg.rms_norm_eps)
+        else:  # the same, or the projection's epilogue where the small GEMM runs it (gemv.qkv_rope_linear)
+            q, k, v = gemv.qkv_rope_linear(x, self.qkv_weight, self.qkv_bias, positions, rotary.cos, rotary.sin,
+                                           *heads)
         out = attend(layer, q, k, v)
         return self.o_proj(out.reshape(T, -1).to(x.dtype))
 

@@ -95,15 +95,40 @@ def candidates(n: int, k: int, num_sms: int, rows: int | None = None,
     return out
 
 
+@dataclass(frozen=True)
+class Rope:
+    """A q|k|v projection's RoPE for :func:`launch_supported`: ``heads_q`` and ``heads_kv`` heads of ``head_dim``
+    dims (rows of the weight: q heads, then k, then v), ``positions`` int64 ``[m]``, ``cos``/``sin`` float32
+    ``[max positions, head_dim / 2]`` (rotate-half form, :func:`.fused.qkv_rope`'s)."""
+
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config,
-             gated: bool = False) -> bool:
+             gated: bool = False, rope: Rope | None = None) -> bool:
     """Whether :func:`small_gemm` takes these tensors with ``config``: ``MIN_ROWS..MAX_ROWS`` rows of x
     ``[m, K]`` with unit stride in k, a contiguous weight ``[N, K]`` of the same dtype and device, K a multiple
-    of the config's k block, a contiguous bias ``[N]`` or none; ``gated``: N even (gate rows, then up rows)."""
+    of the config's k block, a contiguous bias ``[N]`` or none; ``gated``: N even (gate rows, then up rows);
+    ``rope``: N = (q heads + 2 kv heads) x head_dim, half a column block dividing half a head (a program holds
+    whole rotation pairs of one head), contiguous positions and tables on x's device."""
     if x.dim() != 2 or weight.dim() != 2 or not MIN_ROWS <= x.shape[0] <= MAX_ROWS:
         return False
     if gated and weight.shape[0] % 2:
         return False
+    if rope is not None:
+        half = rope.head_dim // 2
+        if (rope.head_dim % 2 or weight.shape[0] != (rope.heads_q + 2 * rope.heads_kv) * rope.head_dim
+                or half % (config.block_n // 2) or rope.positions.shape != (x.shape[0],)
+                or rope.positions.dtype != torch.int64 or not rope.positions.is_contiguous()
+                or any(t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != half or not t.is_contiguous()
+                       or t.device != x.device for t in (rope.cos, rope.sin))
+                or rope.positions.device != x.device):
+            return False
     K = weight.shape[1]
     # float32 only under the interpreter (tests): on a GPU tl.dot would round its inputs to tf32
     if (x.dtype not in _DTYPES or (x.dtype == torch.float32 and x.is_cuda) or weight.dtype != x.dtype
@@ -152,12 +177,13 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config,
-               gated: bool = False) -> torch.Tensor:
+               gated: bool = False, rope: Rope | None = None):
     """``x [m, K] @ weight [N, K]^T (+ bias)`` -> a new ``[m, N]`` in x's dtype; float32 accumulation, one rounding.
 
     ``gated``: ``weight`` is a gate|up projection (gate rows, then as many up rows) and the result is
     ``silu(gate) * up`` ``[m, N/2]``, rounded as Hugging Face's eager MLP rounds (:func:`.fused.silu_mul`'s
-    rounding): one kernel, no ``[m, N]`` intermediate.
+    rounding): one kernel, no ``[m, N]`` intermediate. ``rope`` (a q|k|v projection, :class:`Rope`): the result
+    is ``(q, k, v)``, RoPE applied to q and k, as :func:`.fused.qkv_rope` returns them for the plain projection.
 
     Runs on CUDA, or under the Triton interpreter on the CPU (tests). No host synchronization: CUDA graphs
     capture it (after a warm-up on the capture stream: :func:`_arrival_counters`). Raises ValueError for
@@ -165,25 +191,31 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     a tile whose stages do not fit this GPU's shared memory.
     """
     interpret = triton_interpret()
-    if not supports(x, weight, bias, config, gated) or x.device.type != ("cpu" if interpret else "cuda"):
+    if not supports(x, weight, bias, config, gated, rope) or x.device.type != ("cpu" if interpret else "cuda"):
         raise ValueError(f"small_gemm takes {MIN_ROWS}..{MAX_ROWS} rows of x [m, K] (unit stride in K) and a "
                          f"contiguous weight [N, K] of one dtype on one device (CUDA, or the CPU under "
                          f"TRITON_INTERPRET), K a multiple of {config.block_k}"
-                         f"{', N even (gate|up)' if gated else ''}; got x {list(x.shape)} {x.dtype} "
+                         f"{', N even (gate|up)' if gated else ''}"
+                         f"{', whole q/k/v heads and rope tables on its device' if rope is not None else ''}; got x {list(x.shape)} {x.dtype} "
                          f"strides {x.stride()} on {x.device}, weight {list(weight.shape)} {weight.dtype}")
-    return launch_supported(x, weight, bias, config, interpret, gated)
+    return launch_supported(x, weight, bias, config, interpret, gated, rope)
 
 
 def launch_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config,
-                     interpret: bool = False, gated: bool = False) -> torch.Tensor:
+                     interpret: bool = False, gated: bool = False, rope: Rope | None = None):
     """:func:`small_gemm` without its checks, for a caller that has checked :func:`supports` (``gemv.linear``,
-    once a projection call); ``interpret``: the Triton interpreter runs it (CPU tensors)."""
+    once a projection call); ``interpret``: the Triton interpreter runs it (CPU tensors). ``rope``: the result is
+    ``(q, k, v)`` as :func:`.fused.qkv_rope` returns them for the plain projection (views of one new buffer)."""
     m, (N, K) = x.shape[0], weight.shape
     bm = row_block(m)
     if gated:  # a program reads block_n weight rows, half gate and half up, for block_n / 2 output columns
         N //= 2
-    out = torch.empty(m, N, dtype=x.dtype, device=x.device)
-    n_blocks = -(-N // (config.block_n // 2 if gated else config.block_n))
+    if rope is not None:  # one flat q | k | v buffer (fused.qkv_rope's), whole heads a program
+        out = torch.empty(m * N, dtype=x.dtype, device=x.device)
+        n_blocks = N // config.block_n
+    else:
+        out = torch.empty(m, N, dtype=x.dtype, device=x.device)
+        n_blocks = -(-N // (config.block_n // 2 if gated else config.block_n))
     split = max(1, min(config.split_k, K // config.block_k))
     if split > 1:
         partials = torch.empty(split * n_blocks * bm * config.block_n, dtype=torch.float32, device=x.device)
@@ -195,8 +227,15 @@ def launch_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         opts = dict(num_warps=config.num_warps, num_stages=config.num_stages)
         if pdl.enabled(x):
             opts.update(PDL=True, launch_pdl=True)
+    trig = {} if rope is None else dict(ROPE_HQ=rope.heads_q, ROPE_HKV=rope.heads_kv, ROPE_HALF=rope.head_dim // 2)
     _kernel(interpret)[(n_blocks, split)](
-        x, weight, bias if bias is not None else out, out, partials, counters, m, N, K, x.stride(0), out.stride(0),
-        split, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT=split > 1, GATED=gated, **opts)
-    return out
+        x, weight, bias if bias is not None else out, out, partials, counters, m, N, K, x.stride(0),
+        out.stride(0) if rope is None else 0, split, *((out, out, out) if rope is None else
+                                                       (rope.positions, rope.cos, rope.sin)),
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLIT=split > 1, GATED=gated, **trig, **opts)
+    if rope is None:
+        return out
+    hq, hkv, d = rope.heads_q, rope.heads_kv, rope.head_dim
+    return (out[:m * hq * d].view(m, hq, d), out[m * hq * d:m * (hq + hkv) * d].view(m, hkv, d),
+            out[m * (hq + hkv) * d:].view(m, hkv, d))

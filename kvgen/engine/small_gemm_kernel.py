@@ -19,8 +19,10 @@ INTERPRET = triton_interpret()
 
 @triton.jit(do_not_specialize=["m", "split_k"])
 def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m, n, k, stride_x, stride_out, split_k,
+                      pos_ptr, cos_ptr, sin_ptr,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLIT: tl.constexpr, PDL: tl.constexpr = False, GATED: tl.constexpr = False):
+                      SPLIT: tl.constexpr, PDL: tl.constexpr = False, GATED: tl.constexpr = False,
+                      ROPE_HQ: tl.constexpr = 0, ROPE_HKV: tl.constexpr = 0, ROPE_HALF: tl.constexpr = 0):
     """``out[i, j] = sum_k x[i, k] w[j, k] (+ bias[j])`` for ``i < m <= BLOCK_M``: program (pid_n, pid_k) owns
     output columns ``[pid_n BLOCK_N, +BLOCK_N)`` and its share of k, a whole number of BLOCK_K blocks.
 
@@ -41,6 +43,13 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
     BLOCK_N/2 output columns: the decode step runs no separate SiLU kernel (and does not write and re-read
     the ``[m, 2n]`` gate|up output). Rounded where Hugging Face's eager MLP rounds (:func:`_finish`).
 
+    ROPE_HQ > 0 (a q|k|v projection of ROPE_HQ query and ROPE_HKV key/value heads of 2 ROPE_HALF dims, w
+    ``[(HQ + 2 HKV) D, k]``): a program's BLOCK_N rows are BLOCK_N/2 dims of one head's first half and the same
+    dims of its second half, the pairs RoPE rotates together; it rotates q and k by ``cos``/``sin`` (float32
+    ``[positions, HALF]``) at each row's ``pos`` and stores q ``[m, HQ, D]``, then k and v ``[m, HKV, D]``, into
+    one flat ``out`` -- what :func:`kvgen.engine.fused.qkv_rope` makes of the plain projection, rounded as it
+    rounds (:func:`_finish_rope`), with no kernel of its own. ``n`` is unused then.
+
     The strides are specialized (Triton learns that a row stride is a multiple of 16 elements): with x's row
     stride unspecialized it loaded x two bytes at a time, synchronously (LDG + STS, no cp.async), and the
     kernel read the weights at 0.3-0.8 of the copy bandwidth instead of 0.7-0.97 (H200, 2026-12-04;
@@ -54,7 +63,14 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
     offs_m = tl.arange(0, BLOCK_M)
     offs_kb = tl.arange(0, BLOCK_K)
     m_ok = offs_m < m
-    if GATED:
+    if ROPE_HQ > 0:
+        # tile row r < BLOCK_N/2: dim d(r) of the head's first half; the rest: the same dims of its second half
+        subs = ROPE_HALF // (BLOCK_N // 2)
+        half = tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
+        dims = (pid_n % subs) * (BLOCK_N // 2) + half + (tl.arange(0, BLOCK_N) // (BLOCK_N // 2)) * ROPE_HALF
+        n_ok = half >= 0  # every program covers whole rows of a head
+        rows = ((pid_n // subs) * (2 * ROPE_HALF) + dims).to(tl.int64)
+    elif GATED:
         # tile row r < BLOCK_N/2: gate row of output column c(r); the rest: the up rows of the same columns
         half = tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
         cols = pid_n * (BLOCK_N // 2) + half
@@ -80,7 +96,12 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
         # the weights are read: the next kernel's programs may launch (and wait for this one's completion)
         tl.extra.cuda.gdc_launch_dependents()
     if not SPLIT:
-        _finish(acc, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N, GATED)
+        if ROPE_HQ > 0:
+            _finish_rope(acc, bias_ptr, rows, out_ptr, offs_m, m_ok, m, pid_n, pos_ptr, cos_ptr, sin_ptr, HAS_BIAS,
+                         BLOCK_M, BLOCK_N, ROPE_HQ, ROPE_HKV, ROPE_HALF)
+        else:
+            _finish(acc, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, HAS_BIAS, BLOCK_M,
+                    BLOCK_N, GATED)
     else:
         n_blocks = tl.num_programs(0)
         tile = offs_m[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BLOCK_N, BLOCK_M] in a slot
@@ -94,8 +115,12 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(split_k):
                 total += tl.load(part_ptr + (s * n_blocks + pid_n).to(tl.int64) * slot + tile, cache_modifier=".cg")
-            _finish(total, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, HAS_BIAS, BLOCK_M,
-                    BLOCK_N, GATED)
+            if ROPE_HQ > 0:
+                _finish_rope(total, bias_ptr, rows, out_ptr, offs_m, m_ok, m, pid_n, pos_ptr, cos_ptr, sin_ptr,
+                             HAS_BIAS, BLOCK_M, BLOCK_N, ROPE_HQ, ROPE_HKV, ROPE_HALF)
+            else:
+                _finish(total, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, HAS_BIAS, BLOCK_M,
+                        BLOCK_N, GATED)
             tl.store(counter_ptr + pid_n, 0)
 
 
@@ -121,3 +146,37 @@ def _finish(acc, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None], acc.to(dt),
                  mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _finish_rope(acc, bias_ptr, rows, out_ptr, offs_m, m_ok, m, pid_n, pos_ptr, cos_ptr, sin_ptr,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HQ: tl.constexpr,
+                 HKV: tl.constexpr, HALF: tl.constexpr):
+    """Store a q|k|v program's ``acc [BLOCK_N, BLOCK_M]``: its two halves are dims ``d`` and ``d + HALF`` of one
+    head. Rounded to the model dtype (the projection's output), then q and k rotated in float32 and rounded again,
+    as :func:`kvgen.engine.fused_kernels.qkv_rope_kernel` does with the projection's rounded output; v as it is."""
+    dt = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
+    x1, x2 = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0)))
+    x1 = x1.to(dt).to(tl.float32)
+    x2 = x2.to(dt).to(tl.float32)
+    subs = HALF // (BLOCK_N // 2)
+    h = pid_n // subs
+    d = (pid_n % subs) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+    trig = pos[None, :] * HALF + d[:, None]
+    rot = h < HQ + HKV
+    c = tl.where(rot, tl.load(cos_ptr + trig, mask=m_ok[None, :], other=1.0), 1.0)
+    s = tl.where(rot, tl.load(sin_ptr + trig, mask=m_ok[None, :], other=0.0), 0.0)
+    o1 = x1 * c - x2 * s
+    o2 = x2 * c + x1 * s
+    D: tl.constexpr = 2 * HALF
+    t64 = offs_m.to(tl.int64)
+    # q block, then k block, then v block of the flat output (qkv_rope_kernel's layout)
+    base = tl.where(h < HQ, t64 * (HQ * D) + h * D,
+                    tl.where(h < HQ + HKV, m * (HQ * D) + t64 * (HKV * D) + (h - HQ) * D,
+                             m * ((HQ + HKV) * D) + t64 * (HKV * D) + (h - HQ - HKV) * D))
+    ptrs = out_ptr + base[None, :] + d[:, None]
+    tl.store(ptrs, o1.to(dt), mask=m_ok[None, :])
+    tl.store(ptrs + HALF, o2.to(dt), mask=m_ok[None, :])

@@ -27,13 +27,21 @@ def main() -> None:
         for block_n, block_k, stages, warps in small_gemm.TILES:
             if small_gemm.shared_bytes(small_gemm.Config(block_n, block_k, 1, warps, stages), block_m) > 227 << 10:
                 continue  # does not fit an H100/H200's shared memory: the chooser does not time it there
-            # the gated epilogue (gate|up with SiLU) at the decode graphs' bucket of 32 rows
-            for split, gated in ((False, False), (True, False)) + (((False, True), (True, True)) if block_m == 32
-                                                                  else ()):
+            # the gated (gate|up with SiLU) and RoPE (Llama-3-8B's q|k|v) epilogues at the decode graphs' bucket of
+            # 32 rows, RoPE where half a column block divides half a head
+            epilogues = [(False, False, False), (True, False, False)]
+            if block_m == 32:
+                epilogues += [(False, True, False), (True, True, False)]
+                if 64 % (block_n // 2) == 0:
+                    epilogues += [(False, False, True), (True, False, True)]
+            for split, gated, rope in epilogues:
                 consts = {"HAS_BIAS": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                           "SPLIT": split, "PDL": True, "GATED": gated}
+                if rope:
+                    consts.update(ROPE_HQ=32, ROPE_HKV=8, ROPE_HALF=64)
                 ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
-                        "part_ptr": "*fp32", "counter_ptr": "*i32"}
+                        "part_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64", "cos_ptr": "*fp32",
+                        "sin_ptr": "*fp32"}
                 # specialized as the JIT specializes at a Llama layer's launch: n, k and the row strides are
                 # multiples of 16, the kernel's do_not_specialize arguments are not assumed to be
                 k = compile_for_sm90(fn, signature(fn.arg_names, consts, ptrs, ()), consts, warps, stages,
@@ -42,7 +50,7 @@ def main() -> None:
                 ptx = k.asm["ptx"]
                 loops = [[opcode(i) for i in body] for body in loop_bodies(sass)]
                 out.append({"block_m": block_m, "tile": [block_n, block_k, stages, warps], "split": split,
-                            "gated": gated,
+                            "gated": gated, "rope": rope,
                             "registers": regs, "spill_bytes": spills,
                             "loops": [{op: ops.count(op) for op in ("LDG", "LDGSTS", "STS", "HGMMA")}
                                       for ops in loops],

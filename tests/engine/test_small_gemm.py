@@ -124,7 +124,7 @@ def test_gated_matches_float64_every_bucket_split_and_tail(interpret, dtype):
                 assert y.shape == (m, inter) and y.dtype == dtype and torch.isfinite(y).all()
                 assert _rel_l2(y, _gated_reference(x, w, bias, dtype)) < tol, (m, cfg, bias is None)
                 two_kernels = fused.silu_mul(small_gemm.small_gemm(x, w, bias, cfg))
-                assert _rel_l2(y, two_kernels.double()) < tol, (m, cfg, bias is None)
+                assert torch.equal(y, two_kernels), (m, cfg, bias is None)  # the same roundings, bit for bit
     assert all(int(c.abs().sum()) == 0 for c in small_gemm._COUNTERS.values())
     with pytest.raises(ValueError, match="N even"):
         small_gemm.small_gemm(wide[:8, :k], w[:-1], None, small_gemm.Config(64, 128, 1), gated=True)
@@ -138,6 +138,56 @@ def test_gated_linear_off_the_small_gemm_is_linear_then_silu_mul():
     g = torch.Generator().manual_seed(7)
     x, w, b = torch.randn(9, 128, generator=g), torch.randn(96, 128, generator=g), torch.randn(96, generator=g)
     assert torch.equal(gemv.gated_linear(x, w, b), fused.silu_mul(nn.functional.linear(x, w, b)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_epilogue_equals_the_projection_then_qkv_rope(interpret, dtype):
+    """A q|k|v projection with RoPE in its epilogue (one launch) against the plain launch followed by
+    fused.qkv_rope: every row bucket, split and bias, q, k and v heads, random positions; and the tiles whose
+    half column block does not divide half a head are refused."""
+    from kvgen.engine import fused
+
+    g = torch.Generator().manual_seed(8)
+    hq, hkv, d, k = 4, 2, 64, 256
+    n = (hq + 2 * hkv) * d
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(4096).float(), inv)
+    cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+    wide = torch.randn(64, k + 64, generator=g).to(dtype)
+    for m in (5, 17, 64):
+        x = wide[:m, :k]
+        pos = torch.randint(0, 4096, (m,), generator=g)
+        for cfg in (small_gemm.Config(64, 128, 1), small_gemm.Config(64, 64, 2), small_gemm.Config(32, 64, 4)):
+            rope = small_gemm.Rope(hq, hkv, d, pos, cos, sin)
+            for bias in (None, b):
+                q, kk, v = small_gemm.small_gemm(x, w, bias, cfg, rope=rope)
+                assert q.shape == (m, hq, d) and kk.shape == (m, hkv, d) and v.shape == (m, hkv, d)
+                want = fused.qkv_rope(small_gemm.small_gemm(x, w, bias, cfg), pos, cos, sin, hq, hkv, d)
+                for got, ref in zip((q, kk, v), want):
+                    if dtype == torch.float32:
+                        assert _rel_l2(got, ref.double()) < 1e-6, (m, cfg, bias is None)
+                    else:  # the same rounded inputs; the rotation's float32 arithmetic may contract differently
+                        assert _rel_l2(got, ref.double()) < 2e-3, (m, cfg, bias is None)
+                # v is the projection's own rows, untouched
+                plain = small_gemm.small_gemm(x, w, bias, cfg)
+                assert torch.equal(v, plain[:, (hq + hkv) * d:].reshape(m, hkv, d))
+    assert not small_gemm.supports(wide[:8, :k], w, None, small_gemm.Config(128, 64, 1),
+                                   rope=small_gemm.Rope(hq, hkv, d, torch.zeros(8, dtype=torch.long), cos, sin))
+    assert all(int(c.abs().sum()) == 0 for c in small_gemm._COUNTERS.values())
+
+
+def test_qkv_rope_linear_off_the_small_gemm_is_linear_then_qkv_rope():
+    from kvgen.engine import fused
+
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(6, 128, generator=g), torch.randn(8 * 32, 128, generator=g)
+    cos, sin = torch.rand(64, 16, generator=g), torch.rand(64, 16, generator=g)
+    pos = torch.randint(0, 64, (6,), generator=g)
+    got = gemv.qkv_rope_linear(x, w, None, pos, cos, sin, 4, 2, 32)
+    want = fused.qkv_rope(nn.functional.linear(x, w), pos, cos, sin, 4, 2, 32)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_a_row_does_not_depend_on_its_neighbours_in_the_bucket(interpret):
@@ -198,6 +248,17 @@ def test_gpu_matches_float64(dtype, n, k):
                     continue
                 # one rounding of a float32 sum: as close as cuBLAS's result, within a rounding step
                 assert _rel_l2(y, ref) <= max(2 * torch_err, 4e-3), (m, cfg, bias is None)
+                if n == 6144 and m in (5, 32) and 64 % (cfg.block_n // 2) == 0:  # Llama-3-8B's q|k|v with RoPE
+                    from kvgen.engine import fused
+
+                    inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+                    freqs = torch.outer(torch.arange(8192, device="cuda").float(), inv)
+                    cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+                    pos = torch.randint(0, 8192, (m,), device="cuda", generator=g)
+                    got = small_gemm.small_gemm(x, w, bias, cfg, rope=small_gemm.Rope(32, 8, 128, pos, cos, sin))
+                    want = fused.qkv_rope(small_gemm.small_gemm(x, w, bias, cfg), pos, cos, sin, 32, 8, 128)
+                    for a, r in zip(got, want):  # the same rounded projection, rotated in float32
+                        assert _rel_l2(a, r.double()) <= 4e-3, (m, cfg)
                 if n % 2 == 0 and m in (5, 32):  # the gated epilogue of a gate|up projection
                     y = small_gemm.small_gemm(x, w, bias, cfg, gated=True)
                     gated_ref = _gated_reference(x, w, bias, dtype)

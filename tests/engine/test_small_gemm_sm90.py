@@ -23,7 +23,7 @@ def builds():
 
 def test_main_loop_streams_with_cp_async_into_wgmma(builds):
     assert {b["block_m"] for b in builds} >= {16, 32, 64} and {b["split"] for b in builds} == {False, True}
-    assert {b["gated"] for b in builds} == {False, True}
+    assert {b["gated"] for b in builds} == {False, True} and {b["rope"] for b in builds} == {False, True}
     for b in builds:
         # the k loop: the one loop with warpgroup MMAs (not mma.sync); a split's combine loop has none
         mma_loops = [loop for loop in b["loops"] if loop["HGMMA"]]
