@@ -266,9 +266,12 @@ class RuntimeMachine(RuleBasedStateMachine):
             if decode:
                 # decode given k and v attends before the step's page conversions: a page leaving the residual
                 # window is read from its residual copy in this step (kvgen/runtime/preconversion.py)
+                # (a row whose count grew by a prefix hit on another's page converted nothing of its own)
                 first = (mode == "decode_kv" and planned.num_conversions > 0 and planned.cold is None
                          and len(planned.phases) == 1)
-                nc = {s: self.bm.num_compressed(s) - (first and self.bm.num_compressed(s) > nc_before[s])
+                dst = set(planned.phases[0].conversions[1].tolist()) if first else set()
+                nc = {s: self.bm.num_compressed(s) - (self.bm.num_compressed(s) > nc_before[s]
+                                                       and self.bm.block_table(s)[self.bm.num_compressed(s) - 1] in dst)
                       for s in batch}
                 self._check_decode(layer, batch, q, out, nc)
         self._check_contents()

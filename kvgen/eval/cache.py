@@ -27,7 +27,11 @@ Which K/V attention gets from an update -- the same rule as the kernels
   and quantized first, so pages leaving the residual window convert as in
   the runtime and later steps read the stored form;
 - a *decode* step (one new token): everything as stored, the new token too
-  (the decode kernel reads it back from the pages).
+  (the decode kernel reads it back from the pages), except the pages that
+  leave the residual window in this step: those exactly, as before their
+  conversion (``KVCache.decode`` given k and v attends before the step's
+  conversions: ``kvgen.runtime.preconversion``); later steps read them
+  stored.
 
 Quantized data never changes once written, so every layer keeps a float
 *mirror* ``[B, H, capacity, D]`` of what is stored (dequantized pages,
@@ -119,13 +123,21 @@ class PagedReferenceLayer(CacheLayerMixin):
         self.keys[:, :, start:end] = k_new
         self.values[:, :, start:end] = v_new
         self.length = end
+        # decode: the pages this token pushes out of a residual window, exact (read before their conversion)
+        exact = self._leaving_window(end) if n == 1 else []
         for group in self.groups:
             if group.scheme.residual_tokens is None:
                 self._quantize_tokens(group, start, end)
             else:
                 self._quantize_full_pages(group)
         if n == 1:  # decode: the new token is read back from the pages too
-            return self.keys[:, :, :end], self.values[:, :, :end]
+            k, v = self.keys[:, :, :end], self.values[:, :, :end]
+            if exact:
+                k, v = k.clone(), v.clone()
+                for rows, a, b, ek, ev in exact:
+                    k[rows, :, a:b] = ek
+                    v[rows, :, a:b] = ev
+            return k, v
         # prefill: the stored prefix, then this step's tokens exactly
         return (torch.cat([self.keys[:, :, :start], k_new], dim=2),
                 torch.cat([self.values[:, :, :start], v_new], dim=2))
@@ -215,6 +227,19 @@ class PagedReferenceLayer(CacheLayerMixin):
         k, v = self._roundtrip(group, start, pages)
         n = end - start
         self._write(group, start, end, k[:, :, :n], v[:, :, :n])
+
+    def _leaving_window(self, length: int) -> list[tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor]]:
+        """Per residual group whose pages convert at ``length`` tokens: its rows, the token range, and exact copies
+        of those tokens' K and V (taken before :meth:`_quantize_full_pages` overwrites the mirror)."""
+        out = []
+        for group in self.groups:
+            if group.scheme.residual_tokens is None:
+                continue
+            target = group.scheme.compressed_pages(length, self.page_size)
+            if target > group.num_compressed:
+                a, b = group.num_compressed * self.page_size, target * self.page_size
+                out.append((group.index, a, b, self.keys[group.index, :, a:b], self.values[group.index, :, a:b]))
+        return out
 
     def _quantize_full_pages(self, group: _Group) -> None:
         """Residual scheme: compress the full pages that left the residual window."""

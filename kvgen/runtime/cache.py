@@ -404,11 +404,13 @@ class KVCache(HostTierMixin, KernelConfigMixin):
             if step.pre_view is None:  # once a step, for every layer
                 step.pre_view = pre_conversion_view(tables, num_compressed, *after)
             tables, num_compressed = step.pre_view
-        self.kernels["decode"].launch(q, out, pools, tables, step.seq_lens, num_compressed,
-                                      self.sm_scale if sm_scale is None else sm_scale,
-                                      config=step.configs.get("decode"))
-        if after is not None:
-            self.kernels["page_quantize"].launch(pools, *after)
+        try:
+            self.kernels["decode"].launch(q, out, pools, tables, step.seq_lens, num_compressed,
+                                          self.sm_scale if sm_scale is None else sm_scale,
+                                          config=step.configs.get("decode"))
+        finally:  # the books count the pages converted once the layer is written, whatever the attention did
+            if after is not None:
+                self.kernels["page_quantize"].launch(pools, *after)
         return out
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
