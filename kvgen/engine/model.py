@@ -15,7 +15,8 @@ read, so no copies), and SiLU(gate) * up. The projections go through
 :func:`.gemv.linear`: ``nn.functional.linear``, or for the rows of a
 small decode batch (up to 64) kvgen's GEMV or small GEMM where the decode
 graphs found it faster; where the small GEMM runs gate/up, SiLU * up is
-its epilogue (:func:`.gemv.gated_linear`) and no kernel of its own.
+its epilogue (:func:`.gemv.gated_linear`) and no kernel of its own, and
+where it runs q/k/v (no q/k norms), so is RoPE (:func:`.gemv.qkv_rope_linear`).
 
 ``forward(input_ids, positions, attend)`` runs every layer over the step's
 flat tokens; ``attend(layer, q, k, v)`` (``q [T, Hq, D]``, ``k``/``v``
