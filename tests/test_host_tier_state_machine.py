@@ -130,8 +130,9 @@ class TieredMachine(RuntimeMachine):
         batch = data.draw(st.lists(st.sampled_from(self._steppable()), min_size=1, max_size=3, unique=True))
         new = [[int(x) for x in torch.randint(0, 1000, (1,), generator=self.gen)] for _ in batch]
         before = self._snapshot()
+        nc_before = {s: self.bm.num_compressed(s) for s in batch}
         try:
-            self.cache.plan_step(batch, 1, token_ids=new)
+            planned = self.cache.plan_step(batch, 1, token_ids=new)
         except OutOfPages:
             assert self._snapshot() == before, "OutOfPages changed the runtime's state"
             return
@@ -152,7 +153,7 @@ class TieredMachine(RuntimeMachine):
             hit = self.cache.add(sid, prompt)
             self.tokens[sid] = prompt[:hit]
         try:
-            self._run_decode(batch)
+            self._run_decode(batch, self._read_compressed(planned, batch, nc_before, True))
         except KvgenRuntimeError as e:
             assert "after this step was planned" in str(e), e
             self.STATS["stale steps"] += 1
@@ -196,15 +197,16 @@ class TieredMachine(RuntimeMachine):
         self._run_decode(batch)
         self._check(batch)
 
-    def _run_decode(self, batch: list) -> None:
-        """Every layer of the planned decode step: each sequence's newest token's K/V written, outputs checked."""
+    def _run_decode(self, batch: list, nc: dict | None = None) -> None:
+        """Every layer of the planned decode step: each sequence's newest token's K/V written, outputs checked
+        (``nc``: per sequence, the pages read compressed, :meth:`_read_compressed`; default: the books)."""
         for layer in range(self.c.layers):
             parts = [self._kv(layer, s, len(self.tokens[s]) - 1, len(self.tokens[s])) for s in batch]
             k = torch.cat([p[0] for p in parts]).to(self.c.dtype)
             v = torch.cat([p[1] for p in parts]).to(self.c.dtype)
             q = torch.randn(len(batch), HQ, D, generator=self.gen).to(self.c.dtype)
             out = self.cache.decode(layer, q, batch, k, v)
-            self._check_decode(layer, batch, q, out)
+            self._check_decode(layer, batch, q, out, nc)
 
 
 @pytest.mark.parametrize("kv, dtype, page, layers, examples", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])

@@ -264,17 +264,23 @@ class RuntimeMachine(RuleBasedStateMachine):
                 out = self.cache.prefill(layer, q, None, None, batch)
             assert out.shape == q.shape and torch.isfinite(out).all()
             if decode:
-                # decode given k and v attends before the step's page conversions: a page leaving the residual
-                # window is read from its residual copy in this step (kvgen/runtime/preconversion.py)
-                # (a row whose count grew by a prefix hit on another's page converted nothing of its own)
-                first = (mode == "decode_kv" and planned.num_conversions > 0 and planned.cold is None
-                         and len(planned.phases) == 1)
-                dst = set(planned.phases[0].conversions[1].tolist()) if first else set()
-                nc = {s: self.bm.num_compressed(s) - (self.bm.num_compressed(s) > nc_before[s]
-                                                       and self.bm.block_table(s)[self.bm.num_compressed(s) - 1] in dst)
-                      for s in batch}
-                self._check_decode(layer, batch, q, out, nc)
+                self._check_decode(layer, batch, q, out, self._read_compressed(planned, batch, nc_before,
+                                                                                 mode == "decode_kv"))
         self._check_contents()
+
+    def _read_compressed(self, planned, batch: list, nc_before: dict, with_kv: bool) -> dict:
+        """Per sequence of a decode step, how many of its pages the attention read compressed. Given k and v
+        (``with_kv``), decode attends before the step's page conversions (kvgen/runtime/preconversion.py; one
+        phase, no cold pages): a page this step converted for the sequence -- its count grew and its newest
+        compressed page is one of the step's dst pages -- was read from its residual copy. (A row whose count
+        grew by a prefix hit on an older page converted nothing of its own.)"""
+        first = (with_kv and planned.num_conversions > 0 and planned.cold is None and len(planned.phases) == 1)
+        dst = set(planned.phases[0].conversions[1].tolist()) if first else set()
+        out = {}
+        for s in batch:
+            n = self.bm.num_compressed(s)
+            out[s] = n - (n > nc_before[s] and self.bm.block_table(s)[n - 1] in dst)
+        return out
 
     # -- checks -------------------------------------------------------------------
     def _check_decode(self, layer: int, batch: list, q: torch.Tensor, out: torch.Tensor,
