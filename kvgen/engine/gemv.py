@@ -141,17 +141,24 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     return out
 
 
+def _chosen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int | small_gemm.Config | None:
+    """What :func:`choose` picked for this projection at x's row bucket (a GEMV or small-GEMM config), else None."""
+    if x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_CHOICE_ROWS and _CHOICES:
+        return _CHOICES.get(_key(x, weight, bias))
+    return None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``nn.functional.linear(x, weight, bias)``; the GEMV or the small GEMM where :func:`choose` picked it for this
     shape and row bucket."""
-    if x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_CHOICE_ROWS and _CHOICES:
-        config = _CHOICES.get(_key(x, weight, bias))
+    config = _chosen(x, weight, bias)
+    if config is not None:
         # one check of the tensors a call (chosen configs are valid ones), not one here and one in the kernel's
         # public function: an eager step makes some 200 of these calls
         if isinstance(config, small_gemm.Config):
             if small_gemm.supports(x, weight, bias, config):
                 return small_gemm.launch_supported(x, weight, bias, config)
-        elif config is not None and supports(x, weight, bias):
+        elif supports(x, weight, bias):
             return _launch(x, weight, bias, config)
     return nn.functional.linear(x, weight, bias)
 
@@ -163,10 +170,9 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     its epilogue (``gated``); elsewhere :func:`linear` then :func:`.fused.silu_mul`. Both round as Hugging
     Face's eager MLP does. The choice is the plain projection's: the gated epilogue reads the same weight tiles
     and saves the SiLU kernel, so where the small GEMM beat cuBLAS alone it beats cuBLAS and the SiLU kernel."""
-    if x.is_cuda and x.dim() == 2 and small_gemm.MIN_ROWS <= x.shape[0] <= MAX_CHOICE_ROWS and _CHOICES:
-        config = _CHOICES.get(_key(x, weight, bias))
-        if isinstance(config, small_gemm.Config) and small_gemm.supports(x, weight, bias, config, gated=True):
-            return small_gemm.launch_supported(x, weight, bias, config, gated=True)
+    config = _chosen(x, weight, bias)
+    if isinstance(config, small_gemm.Config) and small_gemm.supports(x, weight, bias, config, gated=True):
+        return small_gemm.launch_supported(x, weight, bias, config, gated=True)
     return fused.silu_mul(linear(x, weight, bias))
 
 
@@ -179,12 +185,11 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     Where :func:`choose` picked the small GEMM for this shape and row bucket and its column block holds whole
     rotation pairs, one launch of it with the rotation in its epilogue (:class:`.small_gemm.Rope`); elsewhere the
     projection, then the RoPE kernel. The choice is the plain projection's, as for :func:`gated_linear`."""
-    if x.is_cuda and x.dim() == 2 and small_gemm.MIN_ROWS <= x.shape[0] <= MAX_CHOICE_ROWS and _CHOICES:
-        config = _CHOICES.get(_key(x, weight, bias))
-        if isinstance(config, small_gemm.Config):
-            rope = small_gemm.Rope(num_q_heads, num_kv_heads, head_dim, positions, cos, sin)
-            if small_gemm.supports(x, weight, bias, config, rope=rope):
-                return small_gemm.launch_supported(x, weight, bias, config, rope=rope)
+    config = _chosen(x, weight, bias)
+    if isinstance(config, small_gemm.Config):
+        rope = small_gemm.Rope(num_q_heads, num_kv_heads, head_dim, positions, cos, sin)
+        if small_gemm.supports(x, weight, bias, config, rope=rope):
+            return small_gemm.launch_supported(x, weight, bias, config, rope=rope)
     return fused.qkv_rope(linear(x, weight, bias), positions, cos, sin, num_q_heads, num_kv_heads, head_dim)
 
 

@@ -196,8 +196,8 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          f"contiguous weight [N, K] of one dtype on one device (CUDA, or the CPU under "
                          f"TRITON_INTERPRET), K a multiple of {config.block_k}"
                          f"{', N even (gate|up)' if gated else ''}"
-                         f"{', whole q/k/v heads and rope tables on its device' if rope is not None else ''}; got x {list(x.shape)} {x.dtype} "
-                         f"strides {x.stride()} on {x.device}, weight {list(weight.shape)} {weight.dtype}")
+                         f"{', whole q/k/v heads and rope tables on its device' if rope is not None else ''}; "
+                         f"got x {list(x.shape)} {x.dtype} strides {x.stride()} on {x.device}, weight {list(weight.shape)} {weight.dtype}")
     return launch_supported(x, weight, bias, config, interpret, gated, rope)
 
 

@@ -68,7 +68,7 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
         subs = ROPE_HALF // (BLOCK_N // 2)
         half = tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
         dims = (pid_n % subs) * (BLOCK_N // 2) + half + (tl.arange(0, BLOCK_N) // (BLOCK_N // 2)) * ROPE_HALF
-        n_ok = half >= 0  # every program covers whole rows of a head
+        n_ok = half >= 0  # every row is real (the name is still bound: Triton resolves the calls below)
         rows = ((pid_n // subs) * (2 * ROPE_HALF) + dims).to(tl.int64)
     elif GATED:
         # tile row r < BLOCK_N/2: gate row of output column c(r); the rest: the up rows of the same columns
@@ -125,6 +125,13 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
 
 
 @triton.jit
+def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A paired tile's ``acc [BLOCK_N, BLOCK_M]`` as its first and second halves of rows, ``[BLOCK_N/2, BLOCK_M]``
+    each."""
+    return tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0)))
+
+
+@triton.jit
 def _finish(acc, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, HAS_BIAS: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
     """Store a program's summed ``acc [BLOCK_N, BLOCK_M]`` (``out^T``) with its bias: as it stands, or GATED,
@@ -134,8 +141,7 @@ def _finish(acc, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     if GATED:
-        both = tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0))
-        gate, up = tl.split(both)
+        gate, up = _halves(acc, BLOCK_M, BLOCK_N)
         gate = gate.to(dt).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
         y = act * up.to(dt).to(tl.float32)
@@ -158,7 +164,7 @@ def _finish_rope(acc, bias_ptr, rows, out_ptr, offs_m, m_ok, m, pid_n, pos_ptr, 
     dt = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
-    x1, x2 = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0)))
+    x1, x2 = _halves(acc, BLOCK_M, BLOCK_N)
     x1 = x1.to(dt).to(tl.float32)
     x2 = x2.to(dt).to(tl.float32)
     subs = HALF // (BLOCK_N // 2)

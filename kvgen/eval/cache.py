@@ -123,13 +123,15 @@ class PagedReferenceLayer(CacheLayerMixin):
         self.keys[:, :, start:end] = k_new
         self.values[:, :, start:end] = v_new
         self.length = end
-        # decode: the pages this token pushes out of a residual window, exact (read before their conversion)
-        exact = self._leaving_window(end) if n == 1 else []
+        exact = []  # decode: the pages this token pushes out of a residual window, read before their conversion
         for group in self.groups:
             if group.scheme.residual_tokens is None:
                 self._quantize_tokens(group, start, end)
-            else:
-                self._quantize_full_pages(group)
+                continue
+            a, b = self._leaving_window(group)
+            if n == 1 and b > a:  # (advanced indexing: copies, taken before the mirror is overwritten)
+                exact.append((group.index, a, b, self.keys[group.index, :, a:b], self.values[group.index, :, a:b]))
+            self._quantize_full_pages(group)
         if n == 1:  # decode: the new token is read back from the pages too
             k, v = self.keys[:, :, :end], self.values[:, :, :end]
             if exact:
@@ -228,29 +230,20 @@ class PagedReferenceLayer(CacheLayerMixin):
         n = end - start
         self._write(group, start, end, k[:, :, :n], v[:, :, :n])
 
-    def _leaving_window(self, length: int) -> list[tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor]]:
-        """Per residual group whose pages convert at ``length`` tokens: its rows, the token range, and exact copies
-        of those tokens' K and V (taken before :meth:`_quantize_full_pages` overwrites the mirror)."""
-        out = []
-        for group in self.groups:
-            if group.scheme.residual_tokens is None:
-                continue
-            target = group.scheme.compressed_pages(length, self.page_size)
-            if target > group.num_compressed:
-                a, b = group.num_compressed * self.page_size, target * self.page_size
-                out.append((group.index, a, b, self.keys[group.index, :, a:b], self.values[group.index, :, a:b]))
-        return out
+    def _leaving_window(self, group: _Group) -> tuple[int, int]:
+        """Residual scheme: the token range ``[a, b)`` of the full pages that left the residual window and are not
+        compressed yet (empty: ``a == b``)."""
+        target = max(group.scheme.compressed_pages(self.length, self.page_size), group.num_compressed)
+        return group.num_compressed * self.page_size, target * self.page_size
 
     def _quantize_full_pages(self, group: _Group) -> None:
         """Residual scheme: compress the full pages that left the residual window."""
-        target = group.scheme.compressed_pages(self.length, self.page_size)
-        new = target - group.num_compressed
-        if new <= 0:
+        first, last = self._leaving_window(group)
+        if last <= first:
             return
-        first = group.num_compressed * self.page_size
-        k, v = self._roundtrip(group, first, new)
-        self._write(group, first, first + new * self.page_size, k, v)
-        group.num_compressed = target
+        k, v = self._roundtrip(group, first, (last - first) // self.page_size)
+        self._write(group, first, last, k, v)
+        group.num_compressed = last // self.page_size
 
     # -- inspection ----------------------------------------------------------------
     def stored_pages(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
