@@ -148,9 +148,70 @@ def _chosen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class DeferredNorm:
+    """``rms_norm(hidden, weight, eps)`` not yet computed: the input of a projection that may normalize on the way
+    in (the small GEMM's NORM). ``hidden`` is a pre-norm block's residual stream ``[m, H]`` as
+    :func:`residual_linear` updated it and ``stats`` that launch's sums of squares. A projection that cannot take
+    it runs the norm kernel first (:meth:`tensor`), which is what the model ran before."""
+
+    hidden: torch.Tensor
+    stats: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+    def tensor(self) -> torch.Tensor:
+        """The normed rows, by the RMSNorm kernel (:func:`.fused.rms_norm`)."""
+        return fused.rms_norm(self.hidden, self.weight, self.eps)
+
+    def as_small_gemm_args(self) -> small_gemm.Norm:
+        return small_gemm.Norm(self.stats, self.weight, self.eps)
+
+
+Input = torch.Tensor | DeferredNorm
+"""A projection's input: rows, or rows whose RMSNorm is still to be applied (:class:`DeferredNorm`)."""
+
+
+def _rows(x: Input) -> torch.Tensor:
+    return x.hidden if isinstance(x, DeferredNorm) else x
+
+
+def _small_gemm_args(x: Input, weight: torch.Tensor, bias: torch.Tensor | None, **epilogue):
+    """``(config, rows, norm)`` for a small-GEMM launch of this projection where :func:`choose` picked the small
+    GEMM and it takes these tensors (a deferred norm applied on the way in), else None."""
+    rows = _rows(x)
+    config = _chosen(rows, weight, bias)
+    if not isinstance(config, small_gemm.Config):
+        return None
+    norm = x.as_small_gemm_args() if isinstance(x, DeferredNorm) else None
+    if not small_gemm.supports(rows, weight, bias, config, norm=norm, **epilogue):
+        return None
+    return config, rows, norm
+
+
+def residual_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``residual += linear(x, weight, bias)`` in place by one small-GEMM launch, returning ``(residual, stats)``
+    (the sums of squares a :class:`DeferredNorm` of it needs), where :func:`choose` picked the small GEMM for this
+    projection and it takes these tensors; else None (the caller adds as before: :func:`.fused.add_rms_norm`).
+    Rounded as Hugging Face rounds: the projection, then the sum, each to the model dtype."""
+    got = _small_gemm_args(x, weight, bias, residual=residual)
+    if got is None:
+        return None
+    config, rows, _ = got
+    return small_gemm.launch_supported(rows, weight, bias, config, residual=residual)
+
+
+def linear(x: Input, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``nn.functional.linear(x, weight, bias)``; the GEMV or the small GEMM where :func:`choose` picked it for this
-    shape and row bucket."""
+    shape and row bucket. ``x`` a :class:`DeferredNorm`: of its normed rows (in the small GEMM's prologue where
+    it runs, else after the norm kernel)."""
+    if isinstance(x, DeferredNorm):
+        got = _small_gemm_args(x, weight, bias)
+        if got is not None:
+            config, rows, norm = got
+            return small_gemm.launch_supported(rows, weight, bias, config, norm=norm)
+        x = x.tensor()
     config = _chosen(x, weight, bias)
     if config is not None:
         # one check of the tensors a call (chosen configs are valid ones), not one here and one in the kernel's
@@ -163,20 +224,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return nn.functional.linear(x, weight, bias)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gated_linear(x: Input, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of a gate|up projection (``weight [2I, K]``: gate rows, then up rows) -> ``[m, I]``.
 
     Where :func:`choose` picked the small GEMM for this shape and row bucket, one launch of it with the SiLU in
     its epilogue (``gated``); elsewhere :func:`linear` then :func:`.fused.silu_mul`. Both round as Hugging
     Face's eager MLP does. The choice is the plain projection's: the gated epilogue reads the same weight tiles
-    and saves the SiLU kernel, so where the small GEMM beat cuBLAS alone it beats cuBLAS and the SiLU kernel."""
-    config = _chosen(x, weight, bias)
-    if isinstance(config, small_gemm.Config) and small_gemm.supports(x, weight, bias, config, gated=True):
-        return small_gemm.launch_supported(x, weight, bias, config, gated=True)
+    and saves the SiLU kernel, so where the small GEMM beat cuBLAS alone it beats cuBLAS and the SiLU kernel.
+    A :class:`DeferredNorm` ``x`` is normalized on the way in there (:func:`linear`)."""
+    got = _small_gemm_args(x, weight, bias, gated=True)
+    if got is not None:
+        config, rows, norm = got
+        return small_gemm.launch_supported(rows, weight, bias, config, gated=True, norm=norm)
     return fused.silu_mul(linear(x, weight, bias))
 
 
-def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+def qkv_rope_linear(x: Input, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``q, k, v`` of a q|k|v projection with RoPE on q and k, as :func:`.fused.qkv_rope` returns them for
@@ -184,12 +247,13 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
     Where :func:`choose` picked the small GEMM for this shape and row bucket and its column block holds whole
     rotation pairs, one launch of it with the rotation in its epilogue (:class:`.small_gemm.Rope`); elsewhere the
-    projection, then the RoPE kernel. The choice is the plain projection's, as for :func:`gated_linear`."""
-    config = _chosen(x, weight, bias)
-    if isinstance(config, small_gemm.Config):
-        rope = small_gemm.Rope(num_q_heads, num_kv_heads, head_dim, positions, cos, sin)
-        if small_gemm.supports(x, weight, bias, config, rope=rope):
-            return small_gemm.launch_supported(x, weight, bias, config, rope=rope)
+    projection, then the RoPE kernel. The choice is the plain projection's, as for :func:`gated_linear`; a
+    :class:`DeferredNorm` ``x`` is normalized on the way in there (:func:`linear`)."""
+    rope = small_gemm.Rope(num_q_heads, num_kv_heads, head_dim, positions, cos, sin)
+    got = _small_gemm_args(x, weight, bias, rope=rope)
+    if got is not None:
+        config, rows, norm = got
+        return small_gemm.launch_supported(rows, weight, bias, config, rope=rope, norm=norm)
     return fused.qkv_rope(linear(x, weight, bias), positions, cos, sin, num_q_heads, num_kv_heads, head_dim)
 
 

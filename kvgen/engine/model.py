@@ -17,6 +17,10 @@ small decode batch (up to 64) kvgen's GEMV or small GEMM where the decode
 graphs found it faster; where the small GEMM runs gate/up, SiLU * up is
 its epilogue (:func:`.gemv.gated_linear`) and no kernel of its own, and
 where it runs q/k/v (no q/k norms), so is RoPE (:func:`.gemv.qkv_rope_linear`).
+Where it runs o and down, the residual add is their epilogue
+(:func:`.gemv.residual_linear`) and the RMSNorm after it the next
+projection's prologue (:class:`.gemv.DeferredNorm`; the norm kernel where
+that projection runs elsewhere): no norm kernel between two small GEMMs.
 
 ``forward(input_ids, positions, attend)`` runs every layer over the step's
 flat tokens; ``attend(layer, q, k, v)`` (``q [T, Hq, D]``, ``k``/``v``
@@ -67,8 +71,14 @@ class Linear(nn.Module):
         else:
             self.bias = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: gemv.Input) -> torch.Tensor:
         return gemv.linear(x, self.weight, self.bias)
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(residual + y, stats)`` with ``y = self(x)`` added in place by one kernel where the small GEMM runs
+        this projection (:func:`.gemv.residual_linear`), else ``(y, None)``: the caller adds."""
+        fused_add = gemv.residual_linear(x, self.weight, self.bias, residual)
+        return fused_add if fused_add is not None else (self(x), None)
 
 
 class RowParallelLinear(Linear):
@@ -82,6 +92,10 @@ class RowParallelLinear(Linear):
         y = gemv.linear(x, self.weight)
         dist.all_reduce(y, group=self.shard.group)  # the group is set after the model is built
         return y if self.bias is None else y + self.bias
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``(self(x), None)``: the sum over ranks comes before any residual add."""
+        return self(x), None
 
 
 def _out_linear(n_in: int, n_out: int, bias: bool, shard: TPShard | None) -> Linear:
@@ -102,6 +116,17 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual += x``, then ``(norm(residual), residual)`` in one kernel (see :func:`fused.add_rms_norm`)."""
         return fused.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def enter(self, h: torch.Tensor, residual: torch.Tensor | None,
+              stats: torch.Tensor | None) -> tuple[gemv.Input, torch.Tensor]:
+        """A pre-norm block's input ``(norm(residual + h), residual + h)`` (the residual updated in place).
+
+        ``stats`` given: the previous block's projection already added its output into ``residual`` (``h`` is
+        that residual) and left these sums of squares (:func:`.gemv.residual_linear`); the norm is deferred to
+        the next projection (:class:`.gemv.DeferredNorm`). Otherwise :meth:`add_forward`."""
+        if stats is not None:
+            return gemv.DeferredNorm(h, stats, self.weight, self.eps), h
+        return self.add_forward(h, residual)
 
 
 class Attention(nn.Module):
@@ -125,9 +150,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, layer: int, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                attend: Attend) -> torch.Tensor:
-        T, D = x.shape[0], self.cfg.head_dim
+    def forward(self, layer: int, x: gemv.Input, positions: torch.Tensor, rotary: Rotary, attend: Attend,
+                residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The o projection's output and None, or, added into ``residual`` by it, ``(residual, stats)``
+        (:meth:`Linear.forward_residual`)."""
+        T, D = positions.shape[0], self.cfg.head_dim
         heads = (self.sizes[0] // D, self.sizes[1] // D, D)
         if self.cfg.qk_norm:
             qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias)
@@ -138,7 +165,7 @@ class Attention(nn.Module):
             q, k, v = gemv.qkv_rope_linear(x, self.qkv_weight, self.qkv_bias, positions, rotary.cos, rotary.sin,
                                            *heads)
         out = attend(layer, q, k, v)
-        return self.o_proj(out.reshape(T, -1).to(x.dtype))
+        return self.o_proj.forward_residual(out.reshape(T, -1).to(self.qkv_weight.dtype), residual)
 
 
 class MLP(nn.Module):
@@ -154,8 +181,10 @@ class MLP(nn.Module):
         self.down_proj = _out_linear(I, H, cfg.mlp_bias, shard)
         self.inter = I
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gemv.gated_linear(x, self.gate_up_weight, self.gate_up_bias))
+    def forward(self, x: gemv.Input, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As :meth:`Attention.forward`: down's output and None, or ``(residual, stats)``."""
+        return self.down_proj.forward_residual(gemv.gated_linear(x, self.gate_up_weight, self.gate_up_bias),
+                                               residual)
 
 
 class DecoderLayer(nn.Module):
@@ -198,16 +227,17 @@ class CausalLM(nn.Module):
         """Hidden states ``[T, hidden]`` after the last layer (before the final norm).
 
         Each norm also adds the previous block's output into the residual
-        stream (one kernel); the last block's output is added at the end.
+        stream (one kernel), or that block's last projection did
+        (:meth:`RMSNorm.enter`); the last block's output is added at the end.
         """
         h = self.model.embed_tokens(input_ids)
-        residual = None
+        residual = stats = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer.input_layernorm.add_forward(h, residual)
-            h = layer.self_attn(i, x, positions, self.rotary, attend)
-            x, residual = layer.post_attention_layernorm.add_forward(h, residual)
-            h = layer.mlp(x)
-        return h + residual
+            x, residual = layer.input_layernorm.enter(h, residual, stats)
+            h, stats = layer.self_attn(i, x, positions, self.rotary, attend, residual)
+            x, residual = layer.post_attention_layernorm.enter(h, residual, stats)
+            h, stats = layer.mlp(x, residual)
+        return residual if stats is not None else h + residual
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,9 @@ weight rows fill the MMA and the few rows of x are its N; it splits k
 across programs where the matrix is too narrow to keep every SM streaming,
 and the last program of a column block sums the partials (no second
 kernel). Whether it runs for a projection is :func:`.gemv.choose`'s
-decision, by timing it against cuBLAS.
+decision, by timing it against cuBLAS. Its epilogues (SiLU * up, RoPE, the
+residual add) and its prologue (an RMSNorm) take the step's elementwise
+kernels into it (:func:`small_gemm`).
 
 Rows are bucketed by the kernel's ``BLOCK_M`` (:data:`ROW_BLOCKS`): every
 row count in a bucket runs the same config and tile, so an eager step of 20
@@ -109,15 +111,51 @@ class Rope:
     sin: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Norm:
+    """An RMSNorm in front of a projection for :func:`launch_supported`: x is the residual stream a
+    ``residual=`` launch just updated, ``stats`` that launch's float32 sums of squares ``[blocks, BLOCK_M]``,
+    ``weight`` the norm's ``[K]`` and ``eps`` its epsilon."""
+
+    stats: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
+MAX_STATS = 256
+"""The most column blocks whose sums of squares a NORM launch reads (one tile): a residual projection of up to
+256 blocks (16,384 columns at the narrowest tile)."""
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config,
-             gated: bool = False, rope: Rope | None = None) -> bool:
+             gated: bool = False, rope: Rope | None = None, norm: Norm | None = None,
+             residual: torch.Tensor | None = None) -> bool:
     """Whether :func:`small_gemm` takes these tensors with ``config``: ``MIN_ROWS..MAX_ROWS`` rows of x
     ``[m, K]`` with unit stride in k, a contiguous weight ``[N, K]`` of the same dtype and device, K a multiple
     of the config's k block, a contiguous bias ``[N]`` or none; ``gated``: N even (gate rows, then up rows);
     ``rope``: N = (q heads + 2 kv heads) x head_dim, half a column block dividing half a head (a program holds
-    whole rotation pairs of one head), contiguous positions and tables on x's device."""
+    whole rotation pairs of one head), contiguous positions and tables on x's device; ``norm``: contiguous
+    float32 stats ``[1..MAX_STATS, x's row bucket]`` and a contiguous weight ``[K]`` of x's dtype; ``residual``: a
+    plain projection (neither gated nor rope), ``[m, N]`` of x's dtype with unit column stride, not sharing x's
+    storage."""
     if x.dim() != 2 or weight.dim() != 2 or not MIN_ROWS <= x.shape[0] <= MAX_ROWS:
         return False
+    if norm is not None:
+        st, g = norm.stats, norm.weight
+        if (st.dtype != torch.float32 or st.dim() != 2 or not 1 <= st.shape[0] <= MAX_STATS
+                or st.shape[1] != row_block(x.shape[0]) or not st.is_contiguous() or st.device != x.device
+                or g.dtype != x.dtype or g.shape != (weight.shape[1],) or not g.is_contiguous()
+                or g.device != x.device):
+            return False
+    if residual is not None:
+        if (gated or rope is not None or residual.dtype != x.dtype or residual.shape != (x.shape[0], weight.shape[0])
+                or residual.stride(1) != 1 or residual.device != x.device
+                or residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()):
+            return False
     if gated and weight.shape[0] % 2:
         return False
     if rope is not None:
@@ -177,13 +215,20 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config,
-               gated: bool = False, rope: Rope | None = None):
+               gated: bool = False, rope: Rope | None = None, norm: Norm | None = None,
+               residual: torch.Tensor | None = None):
     """``x [m, K] @ weight [N, K]^T (+ bias)`` -> a new ``[m, N]`` in x's dtype; float32 accumulation, one rounding.
 
     ``gated``: ``weight`` is a gate|up projection (gate rows, then as many up rows) and the result is
     ``silu(gate) * up`` ``[m, N/2]``, rounded as Hugging Face's eager MLP rounds (:func:`.fused.silu_mul`'s
     rounding): one kernel, no ``[m, N]`` intermediate. ``rope`` (a q|k|v projection, :class:`Rope`): the result
     is ``(q, k, v)``, RoPE applied to q and k, as :func:`.fused.qkv_rope` returns them for the plain projection.
+    ``residual`` (``[m, N]``, a pre-norm block's residual stream): ``residual += x weight^T (+ bias)`` in place,
+    each rounded as Hugging Face rounds, and the result is ``(residual, stats)``, stats the float32 sums of
+    squares of each row per column block that a ``norm=`` launch reads. ``norm`` (:class:`Norm`): x is such a
+    residual stream and the projection is of its RMSNorm, ``rms_norm(x) @ weight^T``, normalized on the way in
+    and rounded as :func:`.fused.rms_norm` rounds; its sum of squares comes from the stats in another order, so
+    the result may differ from the norm kernel's by a rounding here and there.
 
     Runs on CUDA, or under the Triton interpreter on the CPU (tests). No host synchronization: CUDA graphs
     capture it (after a warm-up on the capture stream: :func:`_arrival_counters`). Raises ValueError for
@@ -191,28 +236,38 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     a tile whose stages do not fit this GPU's shared memory.
     """
     interpret = triton_interpret()
-    if not supports(x, weight, bias, config, gated, rope) or x.device.type != ("cpu" if interpret else "cuda"):
+    if (not supports(x, weight, bias, config, gated, rope, norm, residual)
+            or x.device.type != ("cpu" if interpret else "cuda")):
         raise ValueError(f"small_gemm takes {MIN_ROWS}..{MAX_ROWS} rows of x [m, K] (unit stride in K) and a "
                          f"contiguous weight [N, K] of one dtype on one device (CUDA, or the CPU under "
                          f"TRITON_INTERPRET), K a multiple of {config.block_k}"
                          f"{', N even (gate|up)' if gated else ''}"
-                         f"{', whole q/k/v heads and rope tables on its device' if rope is not None else ''}; "
+                         f"{', whole q/k/v heads and rope tables on its device' if rope is not None else ''}"
+                         f"{', float32 stats [blocks, row bucket] and a norm weight [K]' if norm is not None else ''}"
+                         f"{', a residual [m, N] apart from x (plain projections)' if residual is not None else ''}; "
                          f"got x {list(x.shape)} {x.dtype} strides {x.stride()} on {x.device}, weight {list(weight.shape)} {weight.dtype}")
-    return launch_supported(x, weight, bias, config, interpret, gated, rope)
+    return launch_supported(x, weight, bias, config, interpret, gated, rope, norm, residual)
 
 
 def launch_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config,
-                     interpret: bool = False, gated: bool = False, rope: Rope | None = None):
+                     interpret: bool = False, gated: bool = False, rope: Rope | None = None,
+                     norm: Norm | None = None, residual: torch.Tensor | None = None):
     """:func:`small_gemm` without its checks, for a caller that has checked :func:`supports` (``gemv.linear``,
     once a projection call); ``interpret``: the Triton interpreter runs it (CPU tensors). ``rope``: the result is
-    ``(q, k, v)`` as :func:`.fused.qkv_rope` returns them for the plain projection (views of one new buffer)."""
+    ``(q, k, v)`` as :func:`.fused.qkv_rope` returns them for the plain projection (views of one new buffer);
+    ``residual``: ``(residual, stats)``."""
     m, (N, K) = x.shape[0], weight.shape
     bm = row_block(m)
     if gated:  # a program reads block_n weight rows, half gate and half up, for block_n / 2 output columns
         N //= 2
+    stats = None
     if rope is not None:  # one flat q | k | v buffer (fused.qkv_rope's), whole heads a program
         out = torch.empty(m * N, dtype=x.dtype, device=x.device)
         n_blocks = N // config.block_n
+    elif residual is not None:  # updated in place; each column block's sums of squares beside it
+        out = residual
+        n_blocks = -(-N // config.block_n)
+        stats = torch.empty(n_blocks, bm, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(m, N, dtype=x.dtype, device=x.device)
         n_blocks = -(-N // (config.block_n // 2 if gated else config.block_n))
@@ -228,12 +283,21 @@ def launch_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         if pdl.enabled(x):
             opts.update(PDL=True, launch_pdl=True)
     trig = {} if rope is None else dict(ROPE_HQ=rope.heads_q, ROPE_HKV=rope.heads_kv, ROPE_HALF=rope.head_dim // 2)
+    if norm is not None:
+        trig.update(NORM=True, STATS_PAD=_pow2(norm.stats.shape[0]))
+    if residual is not None:
+        trig.update(RESIDUAL=True)
+    stats_arg = norm.stats if norm is not None else (stats if stats is not None else out)
     _kernel(interpret)[(n_blocks, split)](
         x, weight, bias if bias is not None else out, out, partials, counters, m, N, K, x.stride(0),
         out.stride(0) if rope is None else 0, split, *((out, out, out) if rope is None else
                                                        (rope.positions, rope.cos, rope.sin)),
+        stats_arg, out if norm is None else norm.weight, 0 if norm is None else norm.stats.shape[0],
+        0.0 if norm is None else float(norm.eps),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT=split > 1, GATED=gated, **trig, **opts)
+    if residual is not None:
+        return out, stats
     if rope is None:
         return out
     hq, hkv, d = rope.heads_q, rope.heads_kv, rope.head_dim

@@ -19,10 +19,11 @@ INTERPRET = triton_interpret()
 
 @triton.jit(do_not_specialize=["m", "split_k"])
 def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m, n, k, stride_x, stride_out, split_k,
-                      pos_ptr, cos_ptr, sin_ptr,
+                      pos_ptr, cos_ptr, sin_ptr, stats_ptr, norm_w_ptr, n_stats, eps,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT: tl.constexpr, PDL: tl.constexpr = False, GATED: tl.constexpr = False,
-                      ROPE_HQ: tl.constexpr = 0, ROPE_HKV: tl.constexpr = 0, ROPE_HALF: tl.constexpr = 0):
+                      ROPE_HQ: tl.constexpr = 0, ROPE_HKV: tl.constexpr = 0, ROPE_HALF: tl.constexpr = 0,
+                      RESIDUAL: tl.constexpr = False, NORM: tl.constexpr = False, STATS_PAD: tl.constexpr = 1):
     """``out[i, j] = sum_k x[i, k] w[j, k] (+ bias[j])`` for ``i < m <= BLOCK_M``: program (pid_n, pid_k) owns
     output columns ``[pid_n BLOCK_N, +BLOCK_N)`` and its share of k, a whole number of BLOCK_K blocks.
 
@@ -50,6 +51,18 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
     one flat ``out`` -- what :func:`kvgen.engine.fused.qkv_rope` makes of the plain projection, rounded as it
     rounds (:func:`_finish_rope`), with no kernel of its own. ``n`` is unused then.
 
+    RESIDUAL (a plain projection whose output a pre-norm block adds into the residual stream): ``out`` is that
+    stream ``[m, n]``, read and updated in place, ``out = out + (x w^T + bias)`` with the projection rounded to the
+    model dtype first and the sum rounded again (Hugging Face adds in the model dtype); the program also stores its
+    columns' sum of the squared (rounded) sums, float32 ``stats[pid_n, i]`` ``[n blocks, BLOCK_M]``, what the next
+    projection's NORM needs: the residual add + RMSNorm runs as no kernel of its own.
+
+    NORM (the projection of an RMSNorm's output, ``x`` the residual stream itself): ``stats`` holds ``n_stats``
+    (<= STATS_PAD) column blocks' sums of squares of each row of x (a RESIDUAL launch's), ``norm_w`` the norm's
+    weight ``[k]``; each x tile is normalized on its way to the dot, ``(x rstd).to(dtype) * norm_w`` rounded as
+    Hugging Face's RMSNorm rounds, with ``rstd = 1/sqrt(sum / k + eps)``. The sums come from the blocks in a fixed
+    order, so a row's result does not depend on timing (nor on the other rows).
+
     The strides are specialized (Triton learns that a row stride is a multiple of 16 elements): with x's row
     stride unspecialized it loaded x two bytes at a time, synchronously (LDG + STS, no cp.async), and the
     kernel read the weights at 0.3-0.8 of the copy bandwidth instead of 0.7-0.97 (H200, 2026-12-04;
@@ -63,6 +76,13 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
     offs_m = tl.arange(0, BLOCK_M)
     offs_kb = tl.arange(0, BLOCK_K)
     m_ok = offs_m < m
+    if NORM:
+        # every column block's sum of squares of each row, summed in block order: one tile, one reduction
+        parts = tl.arange(0, STATS_PAD)
+        ss = tl.load(stats_ptr + parts[:, None] * BLOCK_M + offs_m[None, :],
+                     mask=(parts < n_stats)[:, None] & m_ok[None, :], other=0.0)
+        # rows past m (x reads row 0 there, never stored) as zeros: no overflow in their padding lanes
+        rstd = tl.where(m_ok, 1.0 / tl.sqrt(tl.sum(ss, axis=0) / k + eps), 0.0)
     if ROPE_HQ > 0:
         # tile row r < BLOCK_N/2: dim d(r) of the head's first half; the rest: the same dims of its second half
         subs = ROPE_HALF // (BLOCK_N // 2)
@@ -87,10 +107,19 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
     w_rows = w_ptr + rows[:, None] * k
     x_rows = x_ptr + tl.where(m_ok, offs_m, 0).to(tl.int64)[:, None] * stride_x
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if NORM:
+        # the norm weight's k block, loaded one iteration ahead: too small for the pipeline's asynchronous copies,
+        # and a load waited for in its own iteration would stall every k step
+        k_end = b_hi * BLOCK_K
+        gain_next = tl.load(norm_w_ptr + b_lo * BLOCK_K + offs_kb, mask=b_lo * BLOCK_K + offs_kb < k_end, other=0.0)
     for b in range(b_lo, b_hi):
         kk = b * BLOCK_K + offs_kb
         w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
         xt = tl.load(x_rows + kk[None, :])
+        if NORM:
+            gain = gain_next.to(tl.float32)
+            gain_next = tl.load(norm_w_ptr + BLOCK_K + kk, mask=BLOCK_K + kk < k_end, other=0.0)
+            xt = ((xt.to(tl.float32) * rstd[:, None]).to(xt.dtype).to(tl.float32) * gain[None, :]).to(xt.dtype)
         acc = tl.dot(w, tl.trans(xt), acc)
     if PDL:
         # the weights are read: the next kernel's programs may launch (and wait for this one's completion)
@@ -100,8 +129,8 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
             _finish_rope(acc, bias_ptr, rows, out_ptr, offs_m, m_ok, m, pid_n, pos_ptr, cos_ptr, sin_ptr, HAS_BIAS,
                          BLOCK_M, BLOCK_N, ROPE_HQ, ROPE_HKV, ROPE_HALF)
         else:
-            _finish(acc, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, HAS_BIAS, BLOCK_M,
-                    BLOCK_N, GATED)
+            _finish(acc, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, stats_ptr, HAS_BIAS,
+                    BLOCK_M, BLOCK_N, GATED, RESIDUAL)
     else:
         n_blocks = tl.num_programs(0)
         tile = offs_m[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]  # [BLOCK_N, BLOCK_M] in a slot
@@ -119,8 +148,8 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
                 _finish_rope(total, bias_ptr, rows, out_ptr, offs_m, m_ok, m, pid_n, pos_ptr, cos_ptr, sin_ptr,
                              HAS_BIAS, BLOCK_M, BLOCK_N, ROPE_HQ, ROPE_HKV, ROPE_HALF)
             else:
-                _finish(total, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, HAS_BIAS, BLOCK_M,
-                        BLOCK_N, GATED)
+                _finish(total, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, stats_ptr,
+                        HAS_BIAS, BLOCK_M, BLOCK_N, GATED, RESIDUAL)
             tl.store(counter_ptr + pid_n, 0)
 
 
@@ -132,11 +161,12 @@ def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _finish(acc, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, HAS_BIAS: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
-    """Store a program's summed ``acc [BLOCK_N, BLOCK_M]`` (``out^T``) with its bias: as it stands, or GATED,
+def _finish(acc, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, stats_ptr, HAS_BIAS: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Store a program's summed ``acc [BLOCK_N, BLOCK_M]`` (``out^T``) with its bias: as it stands; GATED,
     ``silu(gate) * up`` of its two halves -- the gate and up outputs rounded to the model dtype first, then the
-    SiLU, then the product, as Hugging Face's eager MLP (and :func:`kvgen.engine.fused.silu_mul`) round."""
+    SiLU, then the product, as Hugging Face's eager MLP (and :func:`kvgen.engine.fused.silu_mul`) round; or
+    RESIDUAL, added to ``out`` (rounded, then the sum rounded) with its columns' sums of squares to ``stats``."""
     dt = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -150,8 +180,14 @@ def _finish(acc, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid
                  mask=(cols < n)[:, None] & m_ok[None, :])
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None], acc.to(dt),
-                 mask=n_ok[:, None] & m_ok[None, :])
+        ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
+        mask = n_ok[:, None] & m_ok[None, :]
+        y = acc.to(dt)
+        if RESIDUAL:
+            y = (y.to(tl.float32) + tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)).to(dt)
+            h = tl.where(mask, y.to(tl.float32), 0.0)
+            tl.store(stats_ptr + pid_n * BLOCK_M + offs_m, tl.sum(h * h, axis=0))
+        tl.store(ptrs, y, mask=mask)
 
 
 @triton.jit

@@ -29,28 +29,34 @@ def main() -> None:
                 continue  # does not fit an H100/H200's shared memory: the chooser does not time it there
             # the gated (gate|up with SiLU) and RoPE (Llama-3-8B's q|k|v) epilogues at the decode graphs' bucket of
             # 32 rows, RoPE where half a column block divides half a head
-            epilogues = [(False, False, False), (True, False, False)]
+            # (split, gated, rope, norm, residual); at 32 rows also the residual epilogue (o, down) and the norm
+            # prologue (after it: q/k/v, gate/up) with each epilogue
+            epilogues = [(False, False, False, False, False), (True, False, False, False, False)]
             if block_m == 32:
-                epilogues += [(False, True, False), (True, True, False)]
+                epilogues += [(False, True, False, False, False), (True, True, False, False, False),
+                              (False, False, False, False, True), (True, False, False, False, True),
+                              (True, False, False, True, False), (False, True, False, True, False)]
                 if 64 % (block_n // 2) == 0:
-                    epilogues += [(False, False, True), (True, False, True)]
-            for split, gated, rope in epilogues:
+                    epilogues += [(False, False, True, False, False), (True, False, True, False, False),
+                                  (True, False, True, True, False)]
+            for split, gated, rope, norm, residual in epilogues:
                 consts = {"HAS_BIAS": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                          "SPLIT": split, "PDL": True, "GATED": gated}
+                          "SPLIT": split, "PDL": True, "GATED": gated, "NORM": norm, "RESIDUAL": residual,
+                          "STATS_PAD": 64, "ROPE_HQ": 0, "ROPE_HKV": 0, "ROPE_HALF": 0}
                 if rope:
                     consts.update(ROPE_HQ=32, ROPE_HKV=8, ROPE_HALF=64)
                 ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                         "part_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64", "cos_ptr": "*fp32",
-                        "sin_ptr": "*fp32"}
+                        "sin_ptr": "*fp32", "stats_ptr": "*fp32", "norm_w_ptr": "*bf16"}
                 # specialized as the JIT specializes at a Llama layer's launch: n, k and the row strides are
                 # multiples of 16, the kernel's do_not_specialize arguments are not assumed to be
-                k = compile_for_sm90(fn, signature(fn.arg_names, consts, ptrs, ()), consts, warps, stages,
+                k = compile_for_sm90(fn, signature(fn.arg_names, consts, ptrs, ("eps",)), consts, warps, stages,
                                      not_divisible=tuple(fn.do_not_specialize), divisible=("n", "k"))
                 sass, regs, spills = sass_of(k)
                 ptx = k.asm["ptx"]
                 loops = [[opcode(i) for i in body] for body in loop_bodies(sass)]
                 out.append({"block_m": block_m, "tile": [block_n, block_k, stages, warps], "split": split,
-                            "gated": gated, "rope": rope,
+                            "gated": gated, "rope": rope, "norm": norm, "residual": residual,
                             "registers": regs, "spill_bytes": spills,
                             "loops": [{op: ops.count(op) for op in ("LDG", "LDGSTS", "STS", "HGMMA")}
                                       for ops in loops],

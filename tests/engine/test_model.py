@@ -43,12 +43,36 @@ def sdpa_attend(layer, q, k, v):
     return out.transpose(0, 1)
 
 
-@pytest.mark.parametrize("impl", ["fused", "torch"])
+def _small_gemm_everywhere(monkeypatch) -> dict:
+    """Every projection of 5..64 rows runs the small GEMM (on the interpreter), as the decode graphs' choices make
+    it run on a GPU: its epilogues (gated, RoPE, residual) and the deferred norm's prologue. Returns the launch
+    counts by kind."""
+    from kvgen.engine import gemv, small_gemm
+
+    counts = {"plain": 0, "residual": 0, "norm": 0}
+    launch = small_gemm.launch_supported
+
+    def counted(x, w, b, config, **kw):
+        counts["residual" if kw.get("residual") is not None else "norm" if kw.get("norm") else "plain"] += 1
+        return launch(x, w, b, config, interpret=True, **kw)
+
+    cfg = small_gemm.Config(16, 16, 2)  # a split: the partials' path too
+
+    def chosen(x, w, b):
+        return cfg if small_gemm.supports(x, w, b, cfg) else None
+
+    monkeypatch.setattr(gemv, "_chosen", chosen)
+    monkeypatch.setattr(small_gemm, "launch_supported", counted)
+    return counts
+
+
+@pytest.mark.parametrize("impl", ["fused", "torch", "small-gemm"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_forward_matches_transformers(name, impl, tmp_path, monkeypatch):
     if impl == "torch":
         monkeypatch.setenv("KVGEN_FUSED_TORCH", "1")
-    assert fused.use_triton(torch.empty(1)) == (impl == "fused")
+    assert fused.use_triton(torch.empty(1)) == (impl != "torch")
+    counts = _small_gemm_everywhere(monkeypatch) if impl == "small-gemm" else None
     raw = {**BASE, **CASES[name]}
     hf_cfg = transformers.AutoConfig.for_model(**raw)
     torch.manual_seed(0)
@@ -65,6 +89,9 @@ def test_forward_matches_transformers(name, impl, tmp_path, monkeypatch):
     with torch.no_grad():
         ref = hf(ids[None]).logits[0].float()
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=2e-4)
+    if counts is not None:  # o and down added into the residual stream; the norms after them deferred
+        layers = cfg.num_layers
+        assert counts["residual"] == 2 * layers and counts["norm"] == 2 * layers - 1, counts
 
 
 def test_llama3_inverse_frequencies_match_transformers():

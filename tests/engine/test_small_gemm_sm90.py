@@ -24,12 +24,19 @@ def builds():
 def test_main_loop_streams_with_cp_async_into_wgmma(builds):
     assert {b["block_m"] for b in builds} >= {16, 32, 64} and {b["split"] for b in builds} == {False, True}
     assert {b["gated"] for b in builds} == {False, True} and {b["rope"] for b in builds} == {False, True}
+    assert {b["norm"] for b in builds} == {False, True} and {b["residual"] for b in builds} == {False, True}
     for b in builds:
         # the k loop: the one loop with warpgroup MMAs (not mma.sync); a split's combine loop has none
         mma_loops = [loop for loop in b["loops"] if loop["HGMMA"]]
         assert len(mma_loops) == 1, b
         loop = mma_loops[0]
-        assert loop["LDGSTS"] > 0 and loop["LDG"] == 0 and loop["STS"] == 0, b  # no synchronous load in it
+        assert loop["LDGSTS"] > 0, b
+        if b["norm"]:
+            # x's tile normalized in registers, stored back for the MMA; the norm weight's one load is for the
+            # next k step (loaded one iteration ahead)
+            assert loop["LDG"] == 1 and loop["STS"] > 0, b
+        else:
+            assert loop["LDG"] == 0 and loop["STS"] == 0, b  # no synchronous load in it
         assert b["spill_bytes"] == 0, b
 
 
