@@ -36,7 +36,8 @@ before the conversion: :mod:`.preconversion`).
 
 This module holds the cache's sequences, step planning and per-layer ops,
 and :func:`load`; the host tier's operations are in :mod:`.cache_tier`, the
-kernel checks and launch-config choice (autotuning) in :mod:`.cache_kernels`.
+kernel checks and launch-config choice (autotuning) in :mod:`.cache_kernels`,
+reading a sequence's KV back (tests, debugging) in :mod:`.cache_inspect`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import torch
 from .autotune import Autotuner
 from .block_manager import COMPRESSED, RESIDUAL, BlockManager
 from .cache_kernels import REQUIRED_OPS, KernelConfigMixin, _check_kernels_can_run, _variants
+from .cache_inspect import InspectionMixin
 from .cache_tier import HostTierMixin
 from .errors import KvgenRuntimeError, seq_id_list
 from .page_pool import PagePool, _indexed, default_device, pool_sizes
@@ -58,7 +60,7 @@ from .preconversion import pre_conversion_view
 from .step import DeviceBuffers, StepMetadata, build_step
 
 
-class KVCache(HostTierMixin, KernelConfigMixin):
+class KVCache(HostTierMixin, KernelConfigMixin, InspectionMixin):
     """The runtime of one generated plan: page pools, block manager, kernels, step metadata.
 
     Construct through :func:`load` (or a generated package's ``load()``).
@@ -467,39 +469,6 @@ class KVCache(HostTierMixin, KernelConfigMixin):
                       max(1, step.max_q_len), sm_scale, config=config, k_new=k, v_new=v,
                       **({"skip_rows": ones.rows} if ones is not None else {}))
         return out
-
-    # -- inspection (host syncs; for tests and debugging) ---------------------------
-    def read_kv(self, layer: int, seq_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached K and V of one sequence as float32 ``[H, seq_len, D]`` (dequantized)."""
-        pools = self._layer(layer)
-        bm = self.block_manager
-        if self.host_tier is not None:
-            self.wait_host_tier()  # copies in flight may still write the pages read below
-        n, table, nc = bm.seq_len(seq_id), bm.block_table(seq_id), bm.num_compressed(seq_id)
-        P, H, D = self.page_size, self.num_kv_heads, self.head_dim
-        if bm.host_pages(seq_id):  # pages on the host: read every page into a private pool, in order
-            pools = self._gather_pages(layer, seq_id, table, nc)
-            table = list(range(nc)) + list(range(len(table) - nc))
-        ks, vs = [], []
-        if nc:
-            if "dequant" not in self.kernels:
-                raise KvgenRuntimeError("the kernels lack the dequant op; recompile the plan")
-            pages = torch.tensor(table[:nc], dtype=torch.int32, device=self.device)
-            k_out = torch.empty(nc, H, P, D, dtype=self.dtype, device=self.device)
-            v_out = torch.empty_like(k_out)
-            self.kernels["dequant"].launch(pools, pages, k_out, v_out)
-            ks.append(k_out)
-            vs.append(v_out)
-        if len(table) > nc:
-            idx = torch.tensor(table[nc:], dtype=torch.long, device=self.device)
-            ks.append(pools["rk"].index_select(0, idx))
-            vs.append(pools["rv"].index_select(0, idx))
-        if not ks:
-            empty = torch.empty(H, 0, D, dtype=torch.float32, device=self.device)
-            return empty, empty.clone()
-        k = torch.cat(ks).permute(1, 0, 2, 3).reshape(H, -1, D)[:, :n]
-        v = torch.cat(vs).permute(1, 0, 2, 3).reshape(H, -1, D)[:, :n]
-        return k.float(), v.float()
 
 
 def load(plan: Mapping[str, Any], kernels: Mapping[str, ModuleType], device: torch.device | str | None = None,
