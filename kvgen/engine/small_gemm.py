@@ -140,7 +140,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
     ``rope``: N = (q heads + 2 kv heads) x head_dim, half a column block dividing half a head (a program holds
     whole rotation pairs of one head), contiguous positions and tables on x's device; ``norm``: contiguous
     float32 stats ``[1..MAX_STATS, x's row bucket]`` and a contiguous weight ``[K]`` of x's dtype; ``residual``: a
-    plain projection (neither gated nor rope), ``[m, N]`` of x's dtype with unit column stride, not sharing x's
+    plain projection (not gated, no rope, no norm), ``[m, N]`` of x's dtype with unit column stride, not sharing x's
     storage."""
     if x.dim() != 2 or weight.dim() != 2 or not MIN_ROWS <= x.shape[0] <= MAX_ROWS:
         return False
@@ -152,7 +152,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
                 or g.device != x.device):
             return False
     if residual is not None:
-        if (gated or rope is not None or residual.dtype != x.dtype or residual.shape != (x.shape[0], weight.shape[0])
+        if (gated or rope is not None or norm is not None or residual.dtype != x.dtype or residual.shape != (x.shape[0], weight.shape[0])
                 or residual.stride(1) != 1 or residual.device != x.device
                 or residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()):
             return False

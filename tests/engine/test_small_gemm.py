@@ -233,7 +233,7 @@ def test_residual_epilogue_then_norm_prologue_equal_add_rms_norm_then_the_projec
 def test_residual_and_norm_refusals(interpret):
     """What the residual epilogue and the norm prologue do not take: an epilogue besides the residual, a residual
     sharing x's storage or of the wrong shape, stats of another row bucket or too many blocks, a norm weight of
-    the wrong length."""
+    the wrong length, a residual and a norm in one launch."""
     g = torch.Generator().manual_seed(11)
     x, w = torch.randn(8, 128, generator=g), torch.randn(64, 128, generator=g)
     cfg = small_gemm.Config(64, 64, 1)
@@ -249,6 +249,8 @@ def test_residual_and_norm_refusals(interpret):
     assert not small_gemm.supports(x, w, None, cfg, norm=small_gemm.Norm(torch.rand(small_gemm.MAX_STATS + 1, 16),
                                                                           gain, 1e-6))
     assert not small_gemm.supports(x, w, None, cfg, norm=small_gemm.Norm(torch.rand(4, 16), gain[:64], 1e-6))
+    # a residual launch writes stats of its own: not while reading a norm's
+    assert not small_gemm.supports(x, w, None, cfg, norm=small_gemm.Norm(torch.rand(4, 16), gain, 1e-6), residual=res)
     with pytest.raises(ValueError, match="a residual"):
         small_gemm.small_gemm(both[:, :128], w, None, cfg, residual=both[:, 128:])
 
