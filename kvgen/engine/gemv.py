@@ -150,40 +150,30 @@ def _chosen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 @dataclass(frozen=True)
 class DeferredNorm:
-    """``rms_norm(hidden, weight, eps)`` not yet computed: the input of a projection that may normalize on the way
-    in (the small GEMM's NORM). ``hidden`` is a pre-norm block's residual stream ``[m, H]`` as
-    :func:`residual_linear` updated it and ``stats`` that launch's sums of squares. A projection that cannot take
-    it runs the norm kernel first (:meth:`tensor`), which is what the model ran before."""
+    """``rms_norm(hidden, norm.weight, norm.eps)`` not yet computed: the input of a projection that may normalize on
+    the way in (the small GEMM's NORM). ``hidden`` is a pre-norm block's residual stream ``[m, H]`` as
+    :func:`residual_linear` updated it, ``norm`` the RMSNorm with that launch's sums of squares. A projection that
+    cannot take it runs the norm kernel first (:meth:`tensor`), which is what the model ran before."""
 
     hidden: torch.Tensor
-    stats: torch.Tensor
-    weight: torch.Tensor
-    eps: float
+    norm: small_gemm.Norm
 
     def tensor(self) -> torch.Tensor:
         """The normed rows, by the RMSNorm kernel (:func:`.fused.rms_norm`)."""
-        return fused.rms_norm(self.hidden, self.weight, self.eps)
-
-    def as_small_gemm_args(self) -> small_gemm.Norm:
-        return small_gemm.Norm(self.stats, self.weight, self.eps)
+        return fused.rms_norm(self.hidden, self.norm.weight, self.norm.eps)
 
 
 Input = torch.Tensor | DeferredNorm
 """A projection's input: rows, or rows whose RMSNorm is still to be applied (:class:`DeferredNorm`)."""
 
 
-def _rows(x: Input) -> torch.Tensor:
-    return x.hidden if isinstance(x, DeferredNorm) else x
-
-
 def _small_gemm_args(x: Input, weight: torch.Tensor, bias: torch.Tensor | None, **epilogue):
     """``(config, rows, norm)`` for a small-GEMM launch of this projection where :func:`choose` picked the small
     GEMM and it takes these tensors (a deferred norm applied on the way in), else None."""
-    rows = _rows(x)
+    rows, norm = (x.hidden, x.norm) if isinstance(x, DeferredNorm) else (x, None)
     config = _chosen(rows, weight, bias)
     if not isinstance(config, small_gemm.Config):
         return None
-    norm = x.as_small_gemm_args() if isinstance(x, DeferredNorm) else None
     if not small_gemm.supports(rows, weight, bias, config, norm=norm, **epilogue):
         return None
     return config, rows, norm

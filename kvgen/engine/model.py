@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import fused, gemv
+from . import fused, gemv, small_gemm
 from .config import ModelConfig
 from .rope import Rotary
 from .shard import TPShard
@@ -125,7 +125,7 @@ class RMSNorm(nn.Module):
         that residual) and left these sums of squares (:func:`.gemv.residual_linear`); the norm is deferred to
         the next projection (:class:`.gemv.DeferredNorm`). Otherwise :meth:`add_forward`."""
         if stats is not None:
-            return gemv.DeferredNorm(h, stats, self.weight, self.eps), h
+            return gemv.DeferredNorm(h, small_gemm.Norm(stats, self.weight, self.eps)), h
         return self.add_forward(h, residual)
 
 

@@ -34,7 +34,7 @@ import torch
 
 from kvgen.runtime.env import triton_interpret
 
-from . import pdl
+from . import fused, pdl
 
 ROW_BLOCKS = (16, 32, 64)
 """The kernel's BLOCK_M instances: a call of m rows runs the smallest that holds them."""
@@ -127,10 +127,6 @@ MAX_STATS = 256
 256 blocks (16,384 columns at the narrowest tile)."""
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config,
              gated: bool = False, rope: Rope | None = None, norm: Norm | None = None,
              residual: torch.Tensor | None = None) -> bool:
@@ -152,8 +148,9 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
                 or g.device != x.device):
             return False
     if residual is not None:
-        if (gated or rope is not None or norm is not None or residual.dtype != x.dtype or residual.shape != (x.shape[0], weight.shape[0])
-                or residual.stride(1) != 1 or residual.device != x.device
+        if (gated or rope is not None or norm is not None or residual.dtype != x.dtype
+                or residual.shape != (x.shape[0], weight.shape[0]) or residual.stride(1) != 1
+                or residual.device != x.device
                 or residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()):
             return False
     if gated and weight.shape[0] % 2:
@@ -245,7 +242,8 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          f"{', whole q/k/v heads and rope tables on its device' if rope is not None else ''}"
                          f"{', float32 stats [blocks, row bucket] and a norm weight [K]' if norm is not None else ''}"
                          f"{', a residual [m, N] apart from x (plain projections)' if residual is not None else ''}; "
-                         f"got x {list(x.shape)} {x.dtype} strides {x.stride()} on {x.device}, weight {list(weight.shape)} {weight.dtype}")
+                         f"got x {list(x.shape)} {x.dtype} strides {x.stride()} on {x.device}, "
+                         f"weight {list(weight.shape)} {weight.dtype}")
     return launch_supported(x, weight, bias, config, interpret, gated, rope, norm, residual)
 
 
@@ -284,7 +282,7 @@ def launch_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             opts.update(PDL=True, launch_pdl=True)
     trig = {} if rope is None else dict(ROPE_HQ=rope.heads_q, ROPE_HKV=rope.heads_kv, ROPE_HALF=rope.head_dim // 2)
     if norm is not None:
-        trig.update(NORM=True, STATS_PAD=_pow2(norm.stats.shape[0]))
+        trig.update(NORM=True, STATS_PAD=fused._pow2(norm.stats.shape[0]))
     if residual is not None:
         trig.update(RESIDUAL=True)
     stats_arg = norm.stats if norm is not None else (stats if stats is not None else out)

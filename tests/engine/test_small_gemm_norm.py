@@ -93,7 +93,7 @@ def test_deferred_norm_off_the_small_gemm_is_the_norm_kernel_then_the_projection
 
     g = torch.Generator().manual_seed(12)
     h, gain = torch.randn(6, 128, generator=g), torch.rand(128, generator=g) + 0.5
-    deferred = gemv.DeferredNorm(h, torch.rand(2, 16, generator=g), gain, 1e-5)
+    deferred = gemv.DeferredNorm(h, small_gemm.Norm(torch.rand(2, 16, generator=g), gain, 1e-5))
     normed = fused.rms_norm(h, gain, 1e-5)
     w, b = torch.randn(96, 128, generator=g), torch.randn(96, generator=g)
     assert torch.equal(gemv.linear(deferred, w, b), nn.functional.linear(normed, w, b))
