@@ -28,6 +28,7 @@ and x access.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ import torch
 from kvgen.runtime.env import triton_interpret
 
 from . import fused, pdl
+from .errors import EngineError
 
 ROW_BLOCKS = (16, 32, 64)
 """The kernel's BLOCK_M instances: a call of m rows runs the smallest that holds them."""
@@ -63,6 +65,30 @@ TILES = ((64, 128, 6, 4), (64, 256, 4, 4), (128, 64, 3, 8), (256, 128, 3, 4))
 H200 at 32 rows (Llama-3-8B shapes; benchmarks/experiments/small_gemm_sweep.py,
 benchmarks/results/2026-12-04-nvidia-h200-4): 64-column blocks for the narrow q/k/v, o and down, 128 or 256 for
 gate/up and the LM head. A tile whose stages do not fit the GPU's shared memory at a row bucket is skipped."""
+
+
+PREFETCH_SWITCH = "KVGEN_SMALL_GEMM_PREFETCH_KB"
+"""An experiment's switch (read at each launch; a CUDA graph keeps what its capture launched): a PDL launch asks L2
+for about this many KiB of each program's first weight blocks before its ``griddepcontrol.wait``, while the kernel
+before it finishes (:func:`prefetch_blocks`). Unset or 0: no prefetch. Off by default until a GPU measures it
+(``benchmarks/experiments/prefetch_ab.py``)."""
+
+
+def prefetch_blocks(config: Config, k: int, element_bytes: int) -> int:
+    """The k blocks of its weight slice a program of ``config`` prefetches into L2 before its PDL wait, for a
+    weight of ``k`` columns of ``element_bytes`` each: :data:`PREFETCH_SWITCH`'s KiB over a block's bytes, rounded
+    down to a power of two (at least one block once set), and no more than the power of two that holds the
+    program's share of k. 0 when the switch is unset or 0. Raises EngineError for a switch that is not a
+    non-negative integer."""
+    raw = os.environ.get(PREFETCH_SWITCH, "").strip()
+    if raw in ("", "0"):
+        return 0
+    if not raw.isdigit():
+        raise EngineError(f"{PREFETCH_SWITCH} must be a whole number of KiB (0 or unset: no prefetch), got {raw!r}")
+    per_block = config.block_n * config.block_k * element_bytes
+    blocks = 1 << max(0, (int(raw) * 1024 // per_block).bit_length() - 1)
+    share = -(-(k // config.block_k) // max(1, min(config.split_k, k // config.block_k)))
+    return min(blocks, fused._pow2(share))
 
 
 def shared_bytes(config: Config, block_m: int) -> int:
@@ -280,6 +306,9 @@ def launch_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         opts = dict(num_warps=config.num_warps, num_stages=config.num_stages)
         if pdl.enabled(x):
             opts.update(PDL=True, launch_pdl=True)
+            prefetch = prefetch_blocks(config, K, x.element_size())
+            if prefetch:
+                opts.update(PREFETCH=prefetch)
     trig = {} if rope is None else dict(ROPE_HQ=rope.heads_q, ROPE_HKV=rope.heads_kv, ROPE_HALF=rope.head_dim // 2)
     if norm is not None:
         trig.update(NORM=True, STATS_PAD=fused._pow2(norm.stats.shape[0]))

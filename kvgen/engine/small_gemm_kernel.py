@@ -23,7 +23,8 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT: tl.constexpr, PDL: tl.constexpr = False, GATED: tl.constexpr = False,
                       ROPE_HQ: tl.constexpr = 0, ROPE_HKV: tl.constexpr = 0, ROPE_HALF: tl.constexpr = 0,
-                      RESIDUAL: tl.constexpr = False, NORM: tl.constexpr = False, STATS_PAD: tl.constexpr = 1):
+                      RESIDUAL: tl.constexpr = False, NORM: tl.constexpr = False, STATS_PAD: tl.constexpr = 1,
+                      PREFETCH: tl.constexpr = 0):
     """``out[i, j] = sum_k x[i, k] w[j, k] (+ bias[j])`` for ``i < m <= BLOCK_M``: program (pid_n, pid_k) owns
     output columns ``[pid_n BLOCK_N, +BLOCK_N)`` and its share of k, a whole number of BLOCK_K blocks.
 
@@ -63,26 +64,21 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
     Hugging Face's RMSNorm rounds, with ``rstd = 1/sqrt(sum / k + eps)``. The sums come from the blocks in a fixed
     order, so a row's result does not depend on timing (nor on the other rows).
 
+    PDL (launched with programmatic dependent launch, :mod:`kvgen.engine.pdl`): the program computes its indices,
+    then waits for the previous kernel before its first load of x or stats. PREFETCH > 0 (with PDL): before that
+    wait it asks L2 for its first PREFETCH k blocks of weight rows (:func:`_prefetch_l2`), which no kernel writes,
+    so a program that launches during the previous kernel's tail finds them there.
+
     The strides are specialized (Triton learns that a row stride is a multiple of 16 elements): with x's row
     stride unspecialized it loaded x two bytes at a time, synchronously (LDG + STS, no cp.async), and the
     kernel read the weights at 0.3-0.8 of the copy bandwidth instead of 0.7-0.97 (H200, 2026-12-04;
     tests/engine/test_small_gemm_sm90.py keeps the loop's loads asynchronous).
     """
-    if PDL:
-        # x is the previous kernel's output: wait for its completion and writes before the first load
-        tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_kb = tl.arange(0, BLOCK_K)
     m_ok = offs_m < m
-    if NORM:
-        # every column block's sum of squares of each row, summed in block order: one tile, one reduction
-        parts = tl.arange(0, STATS_PAD)
-        ss = tl.load(stats_ptr + parts[:, None] * BLOCK_M + offs_m[None, :],
-                     mask=(parts < n_stats)[:, None] & m_ok[None, :], other=0.0)
-        # rows past m (x reads row 0 there, never stored) as zeros: no overflow in their padding lanes
-        rstd = tl.where(m_ok, 1.0 / tl.sqrt(tl.sum(ss, axis=0) / k + eps), 0.0)
     if ROPE_HQ > 0:
         # tile row r < BLOCK_N/2: dim d(r) of the head's first half; the rest: the same dims of its second half
         subs = ROPE_HALF // (BLOCK_N // 2)
@@ -105,6 +101,20 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
     b_lo = pid_k * per_split
     b_hi = tl.minimum(b_lo + per_split, blocks)
     w_rows = w_ptr + rows[:, None] * k
+    if PDL:
+        if PREFETCH > 0:
+            # the weights are no kernel's output: ask L2 for the first of them while the previous kernel finishes
+            _prefetch_l2(w_rows, b_lo, b_hi, BLOCK_K, PREFETCH)
+        # x (and NORM's stats) are the previous kernel's output: wait for its completion and writes before the
+        # first load
+        tl.extra.cuda.gdc_wait()
+    if NORM:
+        # every column block's sum of squares of each row, summed in block order: one tile, one reduction
+        parts = tl.arange(0, STATS_PAD)
+        ss = tl.load(stats_ptr + parts[:, None] * BLOCK_M + offs_m[None, :],
+                     mask=(parts < n_stats)[:, None] & m_ok[None, :], other=0.0)
+        # rows past m (x reads row 0 there, never stored) as zeros: no overflow in their padding lanes
+        rstd = tl.where(m_ok, 1.0 / tl.sqrt(tl.sum(ss, axis=0) / k + eps), 0.0)
     x_rows = x_ptr + tl.where(m_ok, offs_m, 0).to(tl.int64)[:, None] * stride_x
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if NORM:
@@ -151,6 +161,20 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
                 _finish(total, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, stats_ptr,
                         HAS_BIAS, BLOCK_M, BLOCK_N, GATED, RESIDUAL)
             tl.store(counter_ptr + pid_n, 0)
+
+
+@triton.jit
+def _prefetch_l2(w_rows, b_lo, b_hi, BLOCK_K: tl.constexpr, BLOCKS: tl.constexpr):
+    """Ask L2 for k blocks ``[b_lo, min(b_lo + BLOCKS, b_hi))`` of the weight rows ``w_rows`` (pointers ``[BLOCK_N,
+    1]`` to each row's start): one ``prefetch.global.L2`` per 128-byte line, nothing waited for or returned. A
+    line past the range is the row's first instead (a repeat, never an address outside the rows). BLOCKS a power
+    of two, BLOCK_K elements a whole number of lines."""
+    LINE: tl.constexpr = 128 // (w_rows.dtype.element_ty.primitive_bitwidth // 8)
+    offs = b_lo * BLOCK_K + tl.arange(0, BLOCKS * BLOCK_K // LINE) * LINE
+    ptrs = w_rows + tl.where(offs < tl.minimum(b_lo + BLOCKS, b_hi) * BLOCK_K, offs, 0)[None, :]
+    # not pure: the prefetches have no result anyone reads, and must not be dropped as dead code
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.experiments
 from benchmarks.experiments.compile_sm90 import compile_for_sm90, sass_of, signature  # noqa: E402
-from benchmarks.experiments.sass_text import loop_bodies, opcode  # noqa: E402
+from benchmarks.experiments.sass_text import instructions, loop_bodies, opcode  # noqa: E402
 
 
 def main() -> None:
@@ -39,10 +39,17 @@ def main() -> None:
                 if 64 % (block_n // 2) == 0:
                     epilogues += [(False, False, True, False, False), (True, False, True, False, False),
                                   (True, False, True, True, False)]
-            for split, gated, rope, norm, residual in epilogues:
+            # (split, gated, rope, norm, residual, prefetch): the L2 prefetch before the PDL wait at 32 rows, with
+            # the plain and the norm + SiLU variants
+            epilogues = [e + (0,) for e in epilogues]
+            if block_m == 32 and (block_n, block_k) == (64, 128):
+                epilogues += [(True, False, False, False, False, 4)]
+            if block_m == 32 and (block_n, block_k) == (128, 64):
+                epilogues += [(False, True, False, True, False, 8)]
+            for split, gated, rope, norm, residual, prefetch in epilogues:
                 consts = {"HAS_BIAS": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                           "SPLIT": split, "PDL": True, "GATED": gated, "NORM": norm, "RESIDUAL": residual,
-                          "STATS_PAD": 64, "ROPE_HQ": 0, "ROPE_HKV": 0, "ROPE_HALF": 0}
+                          "STATS_PAD": 64, "ROPE_HQ": 0, "ROPE_HKV": 0, "ROPE_HALF": 0, "PREFETCH": prefetch}
                 if rope:
                     consts.update(ROPE_HQ=32, ROPE_HKV=8, ROPE_HALF=64)
                 ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
@@ -55,8 +62,15 @@ def main() -> None:
                 sass, regs, spills = sass_of(k)
                 ptx = k.asm["ptx"]
                 loops = [[opcode(i) for i in body] for body in loop_bodies(sass)]
+                # the SASS in code order: the L2 prefetches (CCTL.E.PF2, not the split's cache invalidation) and
+                # where the PDL wait (ACQBULK) falls among them
+                ins = [i for _, i in instructions(sass)]
+                ops = [opcode(i) for i in ins]
+                wait_at = ops.index("ACQBULK") if "ACQBULK" in ops else -1
                 out.append({"block_m": block_m, "tile": [block_n, block_k, stages, warps], "split": split,
-                            "gated": gated, "rope": rope, "norm": norm, "residual": residual,
+                            "gated": gated, "rope": rope, "norm": norm, "residual": residual, "prefetch": prefetch,
+                            "sass_prefetches": [j for j, op in enumerate(ops) if op == "CCTL" and ".PF" in ins[j]],
+                            "sass_wait": wait_at,
                             "registers": regs, "spill_bytes": spills,
                             "loops": [{op: ops.count(op) for op in ("LDG", "LDGSTS", "STS", "HGMMA")}
                                       for ops in loops],

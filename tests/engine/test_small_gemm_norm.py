@@ -162,15 +162,17 @@ def test_gpu_residual_then_norm_at_llama_shapes(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("pdl_switch", ["0", "1"])
-def test_gpu_graph_replays_a_residual_and_norm_chain(monkeypatch, pdl_switch):
+@pytest.mark.parametrize("pdl_switch,prefetch_kb", [("0", "0"), ("1", "0"), ("1", "64")])
+def test_gpu_graph_replays_a_residual_and_norm_chain(monkeypatch, pdl_switch, prefetch_kb):
     """A layer's chain as the decode graphs launch it -- o adding into the residual stream, gate/up normalizing it
     on the way in, down adding, a plain projection normalizing -- captured once and replayed with new inputs, with
-    and without PDL, against eager launches with the add + RMSNorm kernel between them."""
+    and without PDL (and with the L2 prefetch before its wait), against eager launches with the add + RMSNorm
+    kernel between them, and bit for bit against the same chain launched eagerly without the prefetch."""
     from kvgen.engine import fused
 
     require_cuda()
     monkeypatch.setenv("KVGEN_PDL", pdl_switch)
+    monkeypatch.setenv(small_gemm.PREFETCH_SWITCH, prefetch_kb)
     g = torch.Generator(device="cuda").manual_seed(14)
     bf = torch.bfloat16
     hidden, inter = 4096, 2048
@@ -217,3 +219,7 @@ def test_gpu_graph_replays_a_residual_and_norm_chain(monkeypatch, pdl_switch):
         want_stream, want = with_norm_kernel(inputs[i], streams[i])
         assert _rel_l2(out_stream, want_stream.double()) < 4e-3, i
         assert _rel_l2(out, want.double()) < 8e-3, i
+        with monkeypatch.context() as m:
+            m.delenv(small_gemm.PREFETCH_SWITCH)
+            eager_stream, eager = chain()  # the same kernels: a prefetch changes no arithmetic (nor the split order)
+        assert torch.equal(out_stream, eager_stream) and torch.equal(out, eager), i

@@ -44,3 +44,23 @@ def test_pdl_wait_before_any_load_and_signal_after_it(builds):
     for b in builds:
         assert 0 <= b["wait"] < b["first_load"], b  # x is the previous kernel's output
         assert b["launch_dependents"] > b["wait"], b
+
+
+def test_l2_prefetch_before_the_pdl_wait_and_the_loop_unchanged(builds):
+    pre = [b for b in builds if b["prefetch"]]
+    assert len(pre) == 2, [(b["tile"], b["prefetch"]) for b in pre]
+    for b in pre:
+        # the prefetches are issued while the previous kernel may still run: every one before the wait
+        assert b["sass_prefetches"] and max(b["sass_prefetches"]) < b["sass_wait"], b
+        # one per 128-byte line of PREFETCH k blocks of the tile's rows, spread over the threads (and at most
+        # a few repeats where the layout holds an element twice)
+        block_n, block_k, _, warps = b["tile"]
+        lines = b["prefetch"] * block_k * 2 // 128 * block_n
+        assert lines // (32 * warps) <= len(b["sass_prefetches"]) <= 2 * lines // (32 * warps), b
+        twin = [o for o in builds if o["prefetch"] == 0 and all(o[f] == b[f] for f in (
+            "block_m", "tile", "split", "gated", "rope", "norm", "residual"))]
+        assert len(twin) == 1, b
+        # the k loop, the registers and the PDL order are those of the build without the prefetch
+        assert b["loops"] == twin[0]["loops"] and b["registers"] <= twin[0]["registers"], (b, twin[0])
+        assert 0 <= b["wait"] < b["first_load"], b
+    assert all(not b["sass_prefetches"] for b in builds if not b["prefetch"])

@@ -1,0 +1,127 @@
+"""Experiment: what does each of the decode step's unmeasured changes buy? Same-process A/B of engine steps (GPU).
+
+    python -m benchmarks.experiments.step_ab [--kv int4,bf16] [--shapes 32x2048] [--rounds 3]
+        [--variants engine,norm_kernel,prefetch64] [--steps 24] [--out step_ab.json]
+
+The variants (``engine``, the engine as it runs, is the baseline):
+
+- ``norm_kernel``: ``gemv.residual_linear`` declines everywhere, so the
+  residual add + RMSNorm runs as its own kernel between the small GEMMs, as
+  before 656a020. Against ``engine`` it measures the norm fused into the
+  small GEMMs (o and down add into the residual stream in their epilogue,
+  q/k/v and gate/up normalize on the way in: 64 fewer launches a
+  Llama-3-8B step).
+- ``prefetch<KiB>`` (e.g. ``prefetch64``): the small GEMM's PDL launches
+  ask L2 for about that many KiB of each program's first weight blocks
+  before they wait for the kernel before them
+  (``small_gemm.PREFETCH_SWITCH``).
+
+Per scheme and shape one engine (its projections chosen once, before any
+variant); its decode graphs are captured again for each variant in turn,
+``rounds`` times, alternating, because the context grows with every
+measurement. A record: the variant, the round, the best of two timed runs of
+``steps`` steps (ms a step) and the context then. Compare neighbours, or fit
+the drift from one variant's rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import sys
+
+import torch
+
+from benchmarks.engine import filled_engine, log, parse_shape, release, timed_steps
+from kvgen.atomic import write_atomic
+
+WARMUP = 4
+
+
+def _declined(*args, **kwargs):
+    return None
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """Apply one variant (the module docstring's) for the ``with`` block; raise ValueError for an unknown name."""
+    from kvgen.engine import gemv, small_gemm
+
+    if name == "engine":
+        yield
+    elif name == "norm_kernel":
+        fused = gemv.residual_linear
+        gemv.residual_linear = _declined
+        try:
+            yield
+        finally:
+            gemv.residual_linear = fused
+    elif name.startswith("prefetch") and name[len("prefetch"):].isdigit():
+        old = os.environ.get(small_gemm.PREFETCH_SWITCH)
+        os.environ[small_gemm.PREFETCH_SWITCH] = name[len("prefetch"):]
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop(small_gemm.PREFETCH_SWITCH)
+            else:
+                os.environ[small_gemm.PREFETCH_SWITCH] = old
+    else:
+        raise ValueError(f"unknown variant {name!r}: engine, norm_kernel or prefetch<KiB>")
+
+
+def measure(kv: str, B: int, L: int, variants: list[str], rounds: int, steps: int) -> list[dict]:
+    from kvgen.engine.graphs import DecodeGraphs
+
+    per_variant = WARMUP + 2 * steps
+    eng = filled_engine(kv, B, L, L + rounds * len(variants) * per_variant + 256, async_scheduling=True)
+    records = []
+    for rnd in range(rounds):
+        for name in variants:
+            with variant(name):
+                eng.runner.graphs = None
+                gc.collect()
+                torch.cuda.empty_cache()
+                eng.runner.graphs = DecodeGraphs(eng.runner.model, eng.cache, B, eng.max_model_len, verbose=False)
+                for _ in range(WARMUP):
+                    eng.step()
+                ms = min(timed_steps(eng, steps) for _ in range(2))
+            rec = {"kv": kv, "B": B, "context": L, "variant": name, "round": rnd, "ms": ms,
+                   "context_now": eng.scheduler.running[0].num_computed}
+            log(json.dumps(rec))
+            records.append(rec)
+    holder = [eng]
+    del eng
+    release(holder)
+    return records
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kv", default="int4,bf16")
+    ap.add_argument("--shapes", default="32x2048")
+    ap.add_argument("--variants", default="engine,norm_kernel")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--out", default="step_ab.json")
+    a = ap.parse_args(argv)
+    variants = a.variants.split(",")
+    for name in variants:  # an unknown name fails before an engine is built
+        with variant(name):
+            pass
+    if not torch.cuda.is_available():
+        print("step_ab: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shapes = [parse_shape(s) for s in a.shapes.split(",")]
+    records = [r for B, L in shapes for kv in a.kv.split(",")
+               for r in measure(kv, B, L, variants, a.rounds, a.steps)]
+    write_atomic(a.out, json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                    "records": records}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
