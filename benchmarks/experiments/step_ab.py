@@ -11,10 +11,10 @@ The variants (``engine``, the engine as it runs, is the baseline):
   small GEMMs (o and down add into the residual stream in their epilogue,
   q/k/v and gate/up normalize on the way in: 64 fewer launches a
   Llama-3-8B step).
-- ``prefetch<KiB>`` (e.g. ``prefetch64``): the small GEMM's PDL launches
-  ask L2 for about that many KiB of each program's first weight blocks
-  before they wait for the kernel before them
-  (``small_gemm.PREFETCH_SWITCH``).
+- ``prefetch<KiB>`` (e.g. ``prefetch64``): the projections' PDL launches
+  (the GEMV's blocks, the small GEMM's programs) ask L2 for about that many
+  KiB of their first weight bytes before they wait for the kernel before
+  them (``pdl.PREFETCH_SWITCH``).
 
 Per scheme and shape one engine (its projections chosen once, before any
 variant); its decode graphs are captured again for each variant in turn,
@@ -48,7 +48,7 @@ def _declined(*args, **kwargs):
 @contextlib.contextmanager
 def variant(name: str):
     """Apply one variant (the module docstring's) for the ``with`` block; raise ValueError for an unknown name."""
-    from kvgen.engine import gemv, small_gemm
+    from kvgen.engine import gemv, pdl
 
     if name == "engine":
         yield
@@ -60,15 +60,15 @@ def variant(name: str):
         finally:
             gemv.residual_linear = fused
     elif name.startswith("prefetch") and name[len("prefetch"):].isdigit():
-        old = os.environ.get(small_gemm.PREFETCH_SWITCH)
-        os.environ[small_gemm.PREFETCH_SWITCH] = name[len("prefetch"):]
+        old = os.environ.get(pdl.PREFETCH_SWITCH)
+        os.environ[pdl.PREFETCH_SWITCH] = name[len("prefetch"):]
         try:
             yield
         finally:
             if old is None:
-                os.environ.pop(small_gemm.PREFETCH_SWITCH)
+                os.environ.pop(pdl.PREFETCH_SWITCH)
             else:
-                os.environ[small_gemm.PREFETCH_SWITCH] = old
+                os.environ[pdl.PREFETCH_SWITCH] = old
     else:
         raise ValueError(f"unknown variant {name!r}: engine, norm_kernel or prefetch<KiB>")
 

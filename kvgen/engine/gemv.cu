@@ -15,6 +15,8 @@
 // the wait ahead of those weight loads all the same, but the peeled first chunk is what lets it pipeline the loop
 // after it: a wait before a plain loop (ef7acc6) made the batch-1 projections of Llama-3-8B 1-7% slower on an
 // H200 (q/k/v 13.9 -> 14.6 us, o 9.7 -> 10.4, down 29.3 -> 30.9; benchmarks/results/2026-12-04-nvidia-h200).
+// With KVGEN_PREFETCH_KB set, a block first asks L2 for that many bytes of its rows' first lines (prefetch, no
+// result), ahead of the wait: an experiment, off by default (kvgen/engine/pdl.py).
 //
 // Contract (checked by the caller): K % 8 == 0; x, w, bias, out 16-byte aligned (x and out rows too: the row
 // strides are multiples of 8 elements); w row-major [N, K] (unit stride in k); 1 <= m <= M_MAX.
@@ -64,6 +66,11 @@ __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+
+// Ask L2 for the 128-byte line at p: no result, nothing waited for.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // A weight vector, read once: not kept in L1.
@@ -133,7 +140,8 @@ constexpr int WARPS = 4;  // per block: small blocks, so the last wave of a narr
 template <typename T, int M_MAX, int ROWS, int UNROLL>
 __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const T* __restrict__ x, const T* __restrict__ w,
                                                           const T* __restrict__ bias, T* __restrict__ out, int m,
-                                                          int n, int k, long long x_stride, long long out_stride) {
+                                                          int n, int k, long long x_stride, long long out_stride,
+                                                          int prefetch_bytes) {
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
   if (row0 >= n) return;  // (no wait: this warp reads and writes nothing)
@@ -145,6 +153,13 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const T* __restrict__ 
     const int row = row0 + r < n ? row0 + r : n - 1;
     wv[r] = reinterpret_cast<const uint4*>(w + (long long)row * k);
   }
+  // Before the first chunk's wait (PDL): ask L2 for the first prefetch_bytes of the block's rows (a share each),
+  // which no kernel writes, so a block launched during the previous kernel's tail has them in flight as it waits.
+  // Every line lies within its row (line j starts at vector 8 j < k8). 0 with the switch off (kvgen/engine/pdl.py).
+  const int lines = min(prefetch_bytes / (WARPS * ROWS * 128), (k8 + 7) / 8);
+  for (int j = lane; j < lines; j += 32)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) prefetch_l2(wv[r] + 8 * j);
   float acc[M_MAX][ROWS];
 #pragma unroll
   for (int i = 0; i < M_MAX; ++i)
@@ -191,7 +206,7 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const T* __restrict__ 
 
 template <typename T, int M_MAX, int ROWS, int UNROLL>
 int launch(const void* x, const void* w, const void* bias, void* out, int m, int n, int k, long long xs,
-           long long os, cudaStream_t stream, int pdl) {
+           long long os, cudaStream_t stream, int pdl, int prefetch) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((n + WARPS * ROWS - 1) / (WARPS * ROWS));
   cfg.blockDim = dim3(WARPS * 32);
@@ -203,7 +218,7 @@ int launch(const void* x, const void* w, const void* bias, void* out, int m, int
   cfg.numAttrs = pdl ? 1 : 0;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, gemv_kernel<T, M_MAX, ROWS, UNROLL>, static_cast<const T*>(x),
                                              static_cast<const T*>(w), static_cast<const T*>(bias),
-                                             static_cast<T*>(out), m, n, k, xs, os);
+                                             static_cast<T*>(out), m, n, k, xs, os, prefetch);
   cudaGetLastError();  // (clears it: a failed launch must not fail the next CUDA call of the process too)
   return (int)err;
 }
@@ -211,22 +226,22 @@ int launch(const void* x, const void* w, const void* bias, void* out, int m, int
 // The configs: (rows per warp, vectors per lane in flight). The Python side names them by index.
 template <typename T, int M_MAX>
 int launch_config(int config, const void* x, const void* w, const void* bias, void* out, int m, int n, int k,
-                  long long xs, long long os, cudaStream_t stream, int pdl) {
+                  long long xs, long long os, cudaStream_t stream, int pdl, int prefetch) {
   switch (config) {
-    case 0: return launch<T, M_MAX, 1, 8>(x, w, bias, out, m, n, k, xs, os, stream, pdl);
-    case 1: return launch<T, M_MAX, 2, 4>(x, w, bias, out, m, n, k, xs, os, stream, pdl);
-    case 2: return launch<T, M_MAX, 4, 2>(x, w, bias, out, m, n, k, xs, os, stream, pdl);
-    case 3: return launch<T, M_MAX, 1, 4>(x, w, bias, out, m, n, k, xs, os, stream, pdl);
+    case 0: return launch<T, M_MAX, 1, 8>(x, w, bias, out, m, n, k, xs, os, stream, pdl, prefetch);
+    case 1: return launch<T, M_MAX, 2, 4>(x, w, bias, out, m, n, k, xs, os, stream, pdl, prefetch);
+    case 2: return launch<T, M_MAX, 4, 2>(x, w, bias, out, m, n, k, xs, os, stream, pdl, prefetch);
+    case 3: return launch<T, M_MAX, 1, 4>(x, w, bias, out, m, n, k, xs, os, stream, pdl, prefetch);
     default: return -1;
   }
 }
 
 template <typename T>
 int launch_rows(int config, const void* x, const void* w, const void* bias, void* out, int m, int n, int k,
-                long long xs, long long os, cudaStream_t stream, int pdl) {
-  if (m == 1) return launch_config<T, 1>(config, x, w, bias, out, m, n, k, xs, os, stream, pdl);
-  if (m == 2) return launch_config<T, 2>(config, x, w, bias, out, m, n, k, xs, os, stream, pdl);
-  if (m <= 4) return launch_config<T, 4>(config, x, w, bias, out, m, n, k, xs, os, stream, pdl);
+                long long xs, long long os, cudaStream_t stream, int pdl, int prefetch) {
+  if (m == 1) return launch_config<T, 1>(config, x, w, bias, out, m, n, k, xs, os, stream, pdl, prefetch);
+  if (m == 2) return launch_config<T, 2>(config, x, w, bias, out, m, n, k, xs, os, stream, pdl, prefetch);
+  if (m <= 4) return launch_config<T, 4>(config, x, w, bias, out, m, n, k, xs, os, stream, pdl, prefetch);
   return -1;
 }
 
@@ -235,18 +250,21 @@ int launch_rows(int config, const void* x, const void* w, const void* bias, void
 extern "C" {
 
 // The ABI version of kvgen_gemv's parameter list (the Python wrapper checks it).
-int kvgen_abi_version(void) { return 2; }
+int kvgen_abi_version(void) { return 3; }
 
 const char* kvgen_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
 
 // out[i, :] = x[i, :] @ w^T (+ bias) for i < m on `stream`; dtype 0 = float16, 1 = bfloat16; strides in elements;
-// pdl != 0: launched with programmatic stream serialization (kvgen/engine/pdl.py; Hopper and newer).
+// pdl != 0: launched with programmatic stream serialization (kvgen/engine/pdl.py; Hopper and newer); prefetch: the
+// weight bytes a block asks L2 for before it waits (0: none).
 // Returns 0, a CUDA error code, or -1 for an unknown config or m outside 1..4.
 int kvgen_gemv(const void* x, const void* w, const void* bias, void* out, int m, int n, int k, long long x_stride,
-               long long out_stride, int dtype, int config, void* stream, int pdl) {
+               long long out_stride, int dtype, int config, void* stream, int pdl, int prefetch) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (dtype == 1) return launch_rows<__nv_bfloat16>(config, x, w, bias, out, m, n, k, x_stride, out_stride, s, pdl);
-  if (dtype == 0) return launch_rows<__half>(config, x, w, bias, out, m, n, k, x_stride, out_stride, s, pdl);
+  if (dtype == 1)
+    return launch_rows<__nv_bfloat16>(config, x, w, bias, out, m, n, k, x_stride, out_stride, s, pdl, prefetch);
+  if (dtype == 0)
+    return launch_rows<__half>(config, x, w, bias, out, m, n, k, x_stride, out_stride, s, pdl, prefetch);
   return -1;
 }
 

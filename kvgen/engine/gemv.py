@@ -48,7 +48,7 @@ from torch import nn
 from . import fused, pdl, projection_store, small_gemm
 
 SOURCE = Path(__file__).with_name("gemv.cu")
-ABI_VERSION = 2
+ABI_VERSION = 3
 MAX_ROWS = 4
 """The most rows of ``x`` the GEMV takes (the kernel is built for 1, 2 and up to 4)."""
 MAX_CHOICE_ROWS = small_gemm.MAX_ROWS
@@ -66,7 +66,7 @@ CHECK_REL_L2 = 1e-2
 _SWITCH = "KVGEN_GEMV"
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-_ARGTYPES = [_P, _P, _P, _P, _I32, _I32, _I32, _I64, _I64, _I32, _I32, _P, _I32]
+_ARGTYPES = [_P, _P, _P, _P, _I32, _I32, _I32, _I64, _I64, _I32, _I32, _P, _I32, _I32]
 
 _CHOICES: dict[tuple, int | small_gemm.Config] = {}
 """(device index, row bucket (:func:`_bucket`), N, K, dtype, has bias) -> what runs for it: a GEMV config (an
@@ -131,9 +131,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     """:func:`gemv` without its checks (the caller checked :func:`supports` and ``config``)."""
     m, (N, K) = x.shape[0], weight.shape
     out = torch.empty(m, N, dtype=x.dtype, device=x.device)
+    chained = pdl.enabled(x)
     rc = _function(x.device)(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                              out.data_ptr(), m, N, K, x.stride(0), out.stride(0), _DTYPES[x.dtype], config,
-                             torch.cuda.current_stream(x.device).cuda_stream, int(pdl.enabled(x)))
+                             torch.cuda.current_stream(x.device).cuda_stream, int(chained),
+                             min(pdl.prefetch_bytes(), 1 << 30) if chained else 0)
     if rc:
         from kvgen.runtime import cuda_loader
 

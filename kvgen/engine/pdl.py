@@ -44,6 +44,13 @@ A kernel without the attribute keeps its full dependency whatever the one
 before it signals, so PDL kernels mix freely with cuBLAS and torch's own.
 ``KVGEN_PDL=0`` launches everything plainly (comparisons); off CUDA, before
 Hopper and under the interpreter nothing changes.
+
+The projections (the GEMV and the small GEMM) may also ask L2 for their
+first weight bytes before they wait: no kernel writes the weights, so a
+program that launched during the previous kernel's tail can have them in
+flight while it waits. An experiment, off unless ``KVGEN_PREFETCH_KB``
+says how many KiB a program (a GEMV block, a small-GEMM program) asks for
+(:func:`prefetch_bytes`); benchmarks/experiments/step_ab.py measures it.
 """
 
 from __future__ import annotations
@@ -55,7 +62,10 @@ import torch
 
 from kvgen.runtime.env import triton_interpret
 
+from .errors import EngineError
+
 _SWITCH = "KVGEN_PDL"
+PREFETCH_SWITCH = "KVGEN_PREFETCH_KB"
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,3 +80,16 @@ def enabled(t: torch.Tensor) -> bool:
     if not t.is_cuda or os.environ.get(_SWITCH, "1") in ("", "0") or triton_interpret():
         return False
     return _hopper_or_newer(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def prefetch_bytes() -> int:
+    """The weight bytes a PDL launch of a projection asks L2 for before its wait, per program: ``KVGEN_PREFETCH_KB``
+    KiB (read at each launch: a CUDA graph keeps what its capture launched); 0 when unset or 0. Raises EngineError
+    for a value that is not a whole number."""
+    raw = os.environ.get(PREFETCH_SWITCH, "").strip()
+    if not raw.isdigit():
+        if raw:
+            raise EngineError(f"{PREFETCH_SWITCH} must be a whole number of KiB (0 or unset: no prefetch), "
+                              f"got {raw!r}")
+        return 0
+    return int(raw) * 1024

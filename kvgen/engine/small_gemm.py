@@ -28,7 +28,6 @@ and x access.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,6 @@ import torch
 from kvgen.runtime.env import triton_interpret
 
 from . import fused, pdl
-from .errors import EngineError
 
 ROW_BLOCKS = (16, 32, 64)
 """The kernel's BLOCK_M instances: a call of m rows runs the smallest that holds them."""
@@ -67,26 +65,15 @@ benchmarks/results/2026-12-04-nvidia-h200-4): 64-column blocks for the narrow q/
 gate/up and the LM head. A tile whose stages do not fit the GPU's shared memory at a row bucket is skipped."""
 
 
-PREFETCH_SWITCH = "KVGEN_SMALL_GEMM_PREFETCH_KB"
-"""An experiment's switch (read at each launch; a CUDA graph keeps what its capture launched): a PDL launch asks L2
-for about this many KiB of each program's first weight blocks before its ``griddepcontrol.wait``, while the kernel
-before it finishes (:func:`prefetch_blocks`). Unset or 0: no prefetch. Off by default until a GPU measures it
-(``benchmarks/experiments/prefetch_ab.py``)."""
-
-
 def prefetch_blocks(config: Config, k: int, element_bytes: int) -> int:
-    """The k blocks of its weight slice a program of ``config`` prefetches into L2 before its PDL wait, for a
-    weight of ``k`` columns of ``element_bytes`` each: :data:`PREFETCH_SWITCH`'s KiB over a block's bytes, rounded
-    down to a power of two (at least one block once set), and no more than the power of two that holds the
-    program's share of k. 0 when the switch is unset or 0. Raises EngineError for a switch that is not a
-    non-negative integer."""
-    raw = os.environ.get(PREFETCH_SWITCH, "").strip()
-    if raw in ("", "0"):
+    """The k blocks of its weight slice a PDL program of ``config`` asks L2 for before its wait, for a weight of
+    ``k`` columns of ``element_bytes`` each: :func:`.pdl.prefetch_bytes` over a block's bytes, rounded down to a
+    power of two (at least one block once set), and no more than the power of two that holds the program's share
+    of k; 0 when that switch is off."""
+    ask = pdl.prefetch_bytes()
+    if not ask:
         return 0
-    if not raw.isdigit():
-        raise EngineError(f"{PREFETCH_SWITCH} must be a whole number of KiB (0 or unset: no prefetch), got {raw!r}")
-    per_block = config.block_n * config.block_k * element_bytes
-    blocks = 1 << max(0, (int(raw) * 1024 // per_block).bit_length() - 1)
+    blocks = 1 << max(0, (ask // (config.block_n * config.block_k * element_bytes)).bit_length() - 1)
     share = -(-(k // config.block_k) // max(1, min(config.split_k, k // config.block_k)))
     return min(blocks, fused._pow2(share))
 

@@ -1,11 +1,13 @@
 """The small-batch GEMV (kvgen/engine/gemv.py, gemv.cu).
 
 CPU (CI): the source builds for sm_90a with nvcc (skipped only without nvcc),
+its prefetches all come before its PDL wait (SASS),
 ``linear`` is exactly ``nn.functional.linear`` wherever the GEMV does not run,
 and the tensors it refuses are refused. GPU (``-m gpu``): every config and
 row count against a float64 reference on random inputs (ragged K and N
-tails, bias, fp16 and bf16), inside a CUDA graph too, and ``choose`` keeps
-only what it timed faster and checked.
+tails, bias, fp16 and bf16), inside a CUDA graph too, the same bits with the
+L2 prefetch before the PDL wait, and ``choose`` keeps only what it timed
+faster and checked.
 """
 
 from __future__ import annotations
@@ -43,6 +45,32 @@ def test_prefers_gemv_only_when_faster_or_within_the_pdl_chain_margin():
 def test_gemv_source_builds_for_sm_90a(tmp_path):
     lib = cuda_loader.build(gemv.SOURCE.read_text(), "sm_90a", root=tmp_path)
     assert lib.is_file() and lib.stat().st_size > 0
+
+
+@needs_nvcc
+def test_gemv_prefetches_only_before_its_pdl_wait(tmp_path):
+    """Offline sm_90a SASS of every instance: the L2 prefetches of the rows' first lines (KVGEN_PREFETCH_KB) are
+    issued before the PDL wait (griddepcontrol.wait, ACQBULK), where the kernel before may still run, never after
+    it."""
+    import subprocess
+
+    from benchmarks.experiments.cuda_sass import cuobjdump
+    from benchmarks.experiments.sass_text import instructions, opcode
+
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (neither on the PATH nor in Triton's NVIDIA backend)")
+    cubin = tmp_path / "gemv.cubin"
+    subprocess.run([cuda_loader.find_nvcc(), "-O3", "-std=c++17", "-arch=sm_90a", "-cubin", "-o", str(cubin),
+                    str(gemv.SOURCE)], check=True, capture_output=True)
+    sass = subprocess.run([tool, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+    kernels = [f for f in sass.split("Function : ")[1:] if "gemv_kernel" in f.split("\n", 1)[0]]
+    assert len(kernels) == 2 * 3 * len(gemv.CONFIGS)  # (dtype, row bucket, config)
+    for body in kernels:
+        ins = [i for _, i in instructions(body)]
+        prefetches = [j for j, i in enumerate(ins) if opcode(i) == "CCTL" and ".PF" in i]
+        waits = [j for j, i in enumerate(ins) if opcode(i) == "ACQBULK"]
+        assert prefetches and waits and max(prefetches) < min(waits), body.split("\n", 1)[0]
 
 
 def test_linear_off_cuda_is_torch_linear():
@@ -124,6 +152,34 @@ def test_gemv_rows_are_independent_of_the_row_count_and_capturable():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, gemv.gemv(x[3:4], w))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gemv_prefetch_changes_no_bit(monkeypatch):
+    """The L2 prefetch before the PDL wait (``KVGEN_PREFETCH_KB``, up to more than a whole row) computes exactly
+    what the launch without it does, every config, eager and in a chain of captured launches."""
+    from kvgen.engine import pdl
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w = torch.randn(1000, 1352, device="cuda", dtype=torch.bfloat16, generator=g)  # ragged k and n tails
+    x = torch.randn(4, 1352, device="cuda", dtype=torch.bfloat16, generator=g)
+    monkeypatch.delenv(pdl.PREFETCH_SWITCH, raising=False)
+    want = [gemv.gemv(x[:m], w, None, c) for m in (1, 4) for c in range(len(gemv.CONFIGS))]
+    for kib in ("1", "16", "4096"):
+        monkeypatch.setenv(pdl.PREFETCH_SWITCH, kib)
+        got = [gemv.gemv(x[:m], w, None, c) for m in (1, 4) for c in range(len(gemv.CONFIGS))]
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), kib
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(graph, stream=stream):
+                chain = [gemv.gemv(x[:1], w, None, c) for c in range(len(gemv.CONFIGS))]
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(chain, want[:len(gemv.CONFIGS)])), kib
 
 
 @pytest.mark.gpu

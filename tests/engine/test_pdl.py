@@ -3,6 +3,7 @@ tests/engine/test_gpu.py::test_pdl_launches_give_the_tokens_of_plain_launches)."
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvgen.engine import fused, pdl
@@ -32,3 +33,17 @@ def test_the_switch_turns_pdl_off_before_looking_at_the_device(monkeypatch):
     assert pdl.enabled(fake) is False
     monkeypatch.delenv("KVGEN_PDL")
     assert pdl.enabled(fake) is True  # on by default
+
+
+def test_the_prefetch_switch_is_whole_kib_or_off(monkeypatch):
+    from kvgen.engine.errors import EngineError
+
+    monkeypatch.delenv(pdl.PREFETCH_SWITCH, raising=False)
+    assert pdl.prefetch_bytes() == 0
+    for value, want in (("", 0), ("0", 0), ("1", 1024), (" 96 ", 96 * 1024)):
+        monkeypatch.setenv(pdl.PREFETCH_SWITCH, value)
+        assert pdl.prefetch_bytes() == want, value
+    for bad in ("-1", "4k", "1.5"):
+        monkeypatch.setenv(pdl.PREFETCH_SWITCH, bad)
+        with pytest.raises(EngineError, match=pdl.PREFETCH_SWITCH):
+            pdl.prefetch_bytes()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvgen.engine import gemv, small_gemm
+from kvgen.engine import gemv, pdl, small_gemm
 from tests.kernels.harness import require_cuda
 
 from .test_small_gemm import _rel_l2, interpret  # noqa: F401  (interpret: the interpreter-only fixture)
@@ -172,7 +172,7 @@ def test_gpu_graph_replays_a_residual_and_norm_chain(monkeypatch, pdl_switch, pr
 
     require_cuda()
     monkeypatch.setenv("KVGEN_PDL", pdl_switch)
-    monkeypatch.setenv(small_gemm.PREFETCH_SWITCH, prefetch_kb)
+    monkeypatch.setenv(pdl.PREFETCH_SWITCH, prefetch_kb)
     g = torch.Generator(device="cuda").manual_seed(14)
     bf = torch.bfloat16
     hidden, inter = 4096, 2048
@@ -220,6 +220,6 @@ def test_gpu_graph_replays_a_residual_and_norm_chain(monkeypatch, pdl_switch, pr
         assert _rel_l2(out_stream, want_stream.double()) < 4e-3, i
         assert _rel_l2(out, want.double()) < 8e-3, i
         with monkeypatch.context() as m:
-            m.delenv(small_gemm.PREFETCH_SWITCH)
+            m.delenv(pdl.PREFETCH_SWITCH)
             eager_stream, eager = chain()  # the same kernels: a prefetch changes no arithmetic (nor the split order)
         assert torch.equal(out_stream, eager_stream) and torch.equal(out, eager), i
