@@ -86,12 +86,12 @@ def _unwritable_file(tmp_path):
 
 
 def _read_only_home(tmp_path, monkeypatch):
-    import kvgen.runtime.autotune as autotune
+    import kvgen.runtime.atomic_io as atomic_io  # the autotune store writes through it
 
     def deny(*args, **kwargs):
         raise PermissionError(13, "Read-only file system")
 
-    monkeypatch.setattr(autotune.os, "replace", deny)
+    monkeypatch.setattr(atomic_io.os, "replace", deny)
     return tmp_path
 
 

@@ -17,45 +17,18 @@ power of two) :meth:`Autotuner.config` returns, in this order:
    ``budget_s`` seconds.
 
 No timing happens on the request path by default: tune ahead of time with
-:func:`tune` (``kvgen tune``). Winners are written to::
-
-    <cache_dir>/autotune/<kernel hash>-<template tag>__<device slug>__triton-<version>__f<FORMAT>.json
-    {"format": 4, "kernel_hash": ..., "device": ..., "triton": ...,
-     "entries": {"decode/b8/s1024": {"config": {...}, "ms": 0.031, "candidates": 8, "seconds": 2.1},
-                 "backend/decode/<digest>": {"backend": "cuda", "variants": {...}, "ms": {...}, "shapes": [...]}}}
-
-A ``backend/<op>/<digest>`` entry (in the file of the op's first variant)
-is the runtime's choice among the kernels a ``--backend auto`` package
-holds for one op; the digest covers every variant's identity, so a changed
-variant re-decides (see :mod:`.backend_choice`).
-
-The file name is the key: the KernelSpec hash, the template hash of the
-generated module (its ``# template-hash:`` header; a module without one is
-keyed by its source), the device name, the Triton version and the file
-format, so an upgrade of the templates never reuses a stale winner, and a
-package with an older runtime (its own copy) never overwrites a newer
-one's file. A file of an earlier format is left alone and not read; the
-first lookup that finds one says once that ``kvgen tune`` must run again. Writes are atomic (temp file +
-``os.replace``) under an ``fcntl.flock`` on a sibling lock file and merge
-with whatever another process wrote meanwhile. A file that does not parse is
-ignored and rewritten by the next save. A cache directory that cannot be
-written (a file in its place, a read-only home) costs one warning per
-directory and process; the winner is still used by this process. Nothing in
-here raises into ``plan_step``: a failure while choosing falls back to the
-model default.
+:func:`tune` (``kvgen tune``). Where winners are written, in which format and
+under which lock is :mod:`.autotune_store`'s job (:class:`Autotuner` mixes
+in its :class:`~.autotune_store.AutotuneStore`); what they are keyed by,
+:mod:`.autotune_keys`'. The names other code imports from those two are
+re-exported here. Nothing in here raises into ``plan_step``: a failure
+while choosing falls back to the model default.
 """
 
 from __future__ import annotations
 
-import contextlib
-import glob
-import hashlib
-import json
-import os
-import re
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
@@ -63,18 +36,12 @@ from typing import Any
 
 import torch
 
-from .atomic_io import write_atomic
+from .autotune_keys import _triton_version, bucket, device_name, kernel_hash, num_sms, template_tag
 from .autotune_model import MAX_CANDIDATES, model_config, ranked_candidates, valid_config
+from .autotune_store import CHOICE_PREFIX, FORMAT, _WARNED, AutotuneStore, _warn_once  # noqa: F401  (re-exported)
 from .kernel_timer import graph_time_ms
-from .env import autotune_mode, cache_dir, triton_interpret
+from .env import autotune_mode, triton_interpret
 
-FORMAT = 4
-"""4: decode timed as the mean of the bucket's length and half of it (``KVCache._bench``), whose winner may
-differ from a winner at the length alone. 3: timed on cold inputs (:func:`.kernel_timer.cold_page_tables`), and
-the format in the file name. Files of other formats are not read (those before 3 have no ``__f`` suffix): their
-warm timings favoured kernels that reuse L2 over ones a model's layer runs faster."""
-CHOICE_PREFIX = "backend/"
-"""Entries under this prefix hold a backend choice (:mod:`.backend_choice`), not a bucket's winner."""
 BUDGET_S = 5.0
 """Seconds of tuning per bucket after which no further candidate is started."""
 COMPILE_MARGIN = 2.0
@@ -82,89 +49,7 @@ COMPILE_MARGIN = 2.0
 predicting 1x, prefill buckets ran to 5.7-7.0 s; 1.5x still let one run to 6.2 s, int4 prefill at a
 131072-token context)."""
 
-_WARNED: set[str] = set()  # cache roots already warned about in this process
-
-
-def bucket(n: int) -> int:
-    """``n`` rounded up to a power of two (at least 1): the shape bucket of one dimension."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _source(module: ModuleType) -> str:
-    path = getattr(module, "__file__", None)
-    if path and os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    return ""
-
-
-def kernel_hash(module: ModuleType, plan_hash: str | None = None) -> str:
-    """The KernelSpec hash of a generated module.
-
-    Prefers the hash recorded in plan.json; else recomputes it from the
-    module's ``# spec: {...}`` header exactly as ``KernelSpec.hash`` does
-    (sha256 of the compact, key-sorted JSON, 16 hex digits); else hashes the
-    module's source (hand-written or test modules).
-    """
-    if plan_hash:
-        return str(plan_hash)
-    cached = getattr(module, "__kvgen_hash__", None)
-    if cached:
-        return cached
-    source = _source(module)
-    for line in source.splitlines()[:10]:
-        if line.startswith("# spec: "):
-            spec = json.loads(line[len("# spec: "):])
-            canonical = json.dumps(spec, sort_keys=True, separators=(",", ":"))
-            return hashlib.sha256(canonical.encode()).hexdigest()[:16]
-    return hashlib.sha256((module.__name__ + "\n" + source).encode()).hexdigest()[:16]
-
-
-def template_tag(module: ModuleType) -> str:
-    """What the module was rendered from: its ``# template-hash:`` header, else a hash of its source.
-
-    The KernelSpec hash names *what* a kernel computes; the template decides
-    *how*, and with it which configs are fastest (or even valid). A module
-    with neither header nor file (built in a test) gets ``"src-none"``.
-    """
-    source = _source(module)
-    for line in source.splitlines()[:10]:
-        if line.startswith("# template-hash: "):
-            return _slug(line[len("# template-hash: "):].strip())[:32]
-    if not source:
-        return "src-none"
-    return "src-" + hashlib.sha256(source.encode()).hexdigest()[:12]
-
-
 _module_hash = kernel_hash  # Autotuner.config has a parameter of that name
-
-
-def device_name(device: torch.device | str) -> str:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return device.type
-
-
-def num_sms(device: torch.device | str) -> int:
-    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter runs programs one by one)."""
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return int(torch.cuda.get_device_properties(index).multi_processor_count)
-    return 1
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^0-9A-Za-z.]+", "-", text).strip("-") or "unknown"
-
-
-def _triton_version() -> str:
-    try:
-        import triton
-        return triton.__version__
-    except Exception:  # triton missing: nothing can be tuned anyway
-        return "none"
 
 
 def default_timer(fn: Callable[[], Any]) -> float:
@@ -193,27 +78,7 @@ class _Progress:
         self.stream.flush()
 
 
-@contextlib.contextmanager
-def _locked(lock_path: Path):
-    import fcntl
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
-def _warn_once(key: str, message: str) -> None:
-    """One RuntimeWarning per ``key`` (a cache folder, a failing op) and process: tuning problems never repeat."""
-    if key in _WARNED:
-        return
-    _WARNED.add(key)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-class Autotuner:
+class Autotuner(AutotuneStore):
     """Chooses a config per (kernel, shape bucket): remembered winner, else the model; tunes when asked.
 
     ``config(op, module, shape, make_bench, kernel_hash=None)``: ``shape`` is
@@ -265,30 +130,6 @@ class Autotuner:
         self._ids: dict[tuple[int, str | None], tuple[ModuleType, str]] = {}
         self.tuned: list[str] = []  # bucket keys timed by this object (for tests and logs)
 
-    # -- where -----------------------------------------------------------
-    def root(self) -> Path:
-        return (self.directory if self.directory is not None else cache_dir()) / "autotune"
-
-    def path(self, khash: str) -> Path:
-        return self.root() / f"{self._stem(khash)}__f{FORMAT}.json"
-
-    def _stem(self, khash: str) -> str:
-        return f"{khash}__{_slug(self.device_name)}__triton-{_slug(self.triton_version)}"
-
-    def _warn_if_outdated(self, khash: str) -> None:
-        # another format's file of the same kernel, device and Triton: format 2 and before have no format suffix
-        stem = self._stem(khash)
-        try:
-            outdated = (self.root() / f"{stem}.json").is_file() or any(
-                p.name != self.path(khash).name for p in self.root().glob(f"{glob.escape(stem)}__f*.json"))
-        except OSError:  # an unreadable cache folder: _read and _save say so where it matters
-            return
-        if outdated:
-            _warn_once(f"<outdated {self.root()}>",
-                       f"kvgen autotune: tuned configs under {self.root()} were timed by an earlier kvgen, in a way "
-                       f"this one does not use (format {FORMAT} now); run kvgen tune again on this GPU (the old "
-                       f"files are left as they are)")
-
     def identity(self, module: ModuleType, plan_hash: str | None = None) -> str:
         """``<KernelSpec hash>-<template tag>``: what a persisted winner is keyed by (memoized per module)."""
         memo = self._ids.get((id(module), plan_hash))
@@ -306,62 +147,6 @@ class Autotuner:
         if not self.enabled:
             return False
         return self.force or (self.mode == "sync" and self.can_time())
-
-    # -- persistence -------------------------------------------------------
-    def _read(self, khash: str) -> dict[str, Any]:
-        """The file's entries, or {} when it is missing, unreadable or not ours."""
-        try:
-            data = json.loads(self.path(khash).read_text(encoding="utf-8"))
-        except (OSError, ValueError, UnicodeDecodeError):
-            return {}
-        if (not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict)
-                or data.get("kernel_hash") != khash or data.get("device") != self.device_name
-                or data.get("triton") != self.triton_version):
-            return {}
-        return {k: e for k, e in data["entries"].items()
-                if isinstance(e, dict) and (isinstance(e.get("config"), dict) if not k.startswith(CHOICE_PREFIX)
-                                            else isinstance(e.get("backend"), str))}
-
-    def _save(self, khash: str, key: str, entry: dict[str, Any]) -> None:
-        """Merge ``entry`` into the file; an unwritable cache is a warning (the entry stays in memory)."""
-        self.cached(khash)[key] = entry
-        path = self.path(khash)
-        try:
-            with _locked(path.with_name(path.name + ".lock")):
-                entries = self._read(khash)  # merge with what other processes wrote
-                entries[key] = entry
-                data = {"format": FORMAT, "kernel_hash": khash, "device": self.device_name,
-                        "triton": self.triton_version, "entries": dict(sorted(entries.items()))}
-                write_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
-        except OSError as err:
-            _warn_once(str(self.root()), f"kvgen autotune: cannot save tuned configs under {self.root()} "
-                       f"({type(err).__name__}: {err}); they are kept in memory for this process only. "
-                       f"Point KVGEN_CACHE_DIR at a writable folder to keep them.")
-            return
-        self._entries[khash] = dict(entries)
-
-    def remembered(self, khash: str, key: str) -> dict[str, Any] | None:
-        """The persisted entry under ``key`` of the file of ``khash`` (any caller's keys: the engine keeps its
-        projection kernels' choices here too), or None: none, or mode ``"off"``."""
-        if self.mode == "off":
-            return None
-        entry = self.cached(khash).get(key)
-        return None if entry is None else dict(entry)
-
-    def remember(self, khash: str, key: str, entry: dict[str, Any]) -> None:
-        """Persist ``entry`` (a dict whose ``config`` is a dict) under ``key`` in the file of ``khash``: merged
-        with what other processes wrote, under the file's lock, written atomically; an unwritable cache is one
-        warning, and the entry is kept in memory for this process."""
-        if not isinstance(entry.get("config"), dict):
-            raise ValueError(f"an autotune entry needs a 'config' dict, got {entry!r}")
-        self._save(khash, key, dict(entry))
-
-    def cached(self, khash: str) -> dict[str, Any]:
-        if khash not in self._entries:
-            self._entries[khash] = self._read(khash)
-            if not self._entries[khash]:
-                self._warn_if_outdated(khash)
-        return self._entries[khash]
 
     # -- choosing ------------------------------------------------------------
     @staticmethod
