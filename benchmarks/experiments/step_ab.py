@@ -1,7 +1,7 @@
 """Experiment: what does each of the decode step's unmeasured changes buy? Same-process A/B of engine steps (GPU).
 
     python -m benchmarks.experiments.step_ab [--kv int4,bf16] [--shapes 32x2048] [--rounds 3]
-        [--variants engine,norm_kernel,prefetch64] [--steps 24] [--out step_ab.json]
+        [--variants engine,norm_kernel,write_kernel,prefetch64] [--steps 24] [--out step_ab.json]
 
 The variants (``engine``, the engine as it runs, is the baseline):
 
@@ -11,6 +11,9 @@ The variants (``engine``, the engine as it runs, is the baseline):
   small GEMMs (o and down add into the residual stream in their epilogue,
   q/k/v and gate/up normalize on the way in: 64 fewer launches a
   Llama-3-8B step).
+- ``write_kernel``: ``graphs.WRITE_THROUGH`` off, so the cache write
+  kernel runs every layer instead of the q/k/v small GEMM storing k and v
+  into the pages (bf16 pages, int4's residual pages).
 - ``prefetch<KiB>`` (e.g. ``prefetch64``): the projections' PDL launches
   (the GEMV's blocks, the small GEMM's programs) ask L2 for about that many
   KiB of their first weight bytes before they wait for the kernel before
@@ -59,6 +62,14 @@ def variant(name: str):
             yield
         finally:
             gemv.residual_linear = fused
+    elif name == "write_kernel":
+        from kvgen.engine import graphs
+
+        graphs.WRITE_THROUGH = False
+        try:
+            yield
+        finally:
+            graphs.WRITE_THROUGH = True
     elif name.startswith("prefetch") and name[len("prefetch"):].isdigit():
         old = os.environ.get(pdl.PREFETCH_SWITCH)
         os.environ[pdl.PREFETCH_SWITCH] = name[len("prefetch"):]
@@ -70,7 +81,7 @@ def variant(name: str):
             else:
                 os.environ[pdl.PREFETCH_SWITCH] = old
     else:
-        raise ValueError(f"unknown variant {name!r}: engine, norm_kernel or prefetch<KiB>")
+        raise ValueError(f"unknown variant {name!r}: engine, norm_kernel, write_kernel or prefetch<KiB>")
 
 
 def measure(kv: str, B: int, L: int, variants: list[str], rounds: int, steps: int) -> list[dict]:

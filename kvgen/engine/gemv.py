@@ -233,16 +233,24 @@ def gated_linear(x: Input, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 def qkv_rope_linear(x: Input, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-                    head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    head_dim: int, write: small_gemm.KVWrite | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``q, k, v`` of a q|k|v projection with RoPE on q and k, as :func:`.fused.qkv_rope` returns them for
     :func:`linear`'s output (no q/k norms: Qwen3's go through those two).
 
     Where :func:`choose` picked the small GEMM for this shape and row bucket and its column block holds whole
     rotation pairs, one launch of it with the rotation in its epilogue (:class:`.small_gemm.Rope`); elsewhere the
     projection, then the RoPE kernel. The choice is the plain projection's, as for :func:`gated_linear`; a
-    :class:`DeferredNorm` ``x`` is normalized on the way in there (:func:`linear`)."""
+    :class:`DeferredNorm` ``x`` is normalized on the way in there (:func:`linear`).
+
+    ``write`` (the layer's KV cache pages and the rows' slots): where that launch takes it, k and v go straight
+    into the cache and come back as None (the caller runs no cache write); elsewhere they come back as always."""
     rope = small_gemm.Rope(num_q_heads, num_kv_heads, head_dim, positions, cos, sin)
     got = _small_gemm_args(x, weight, bias, rope=rope)
+    if got is not None and write is not None:
+        written = small_gemm.Rope(num_q_heads, num_kv_heads, head_dim, positions, cos, sin, write)
+        if small_gemm.supports(got[1], weight, bias, got[0], rope=written, norm=got[2]):
+            rope = written
     if got is not None:
         config, rows, norm = got
         return small_gemm.launch_supported(rows, weight, bias, config, rope=rope, norm=norm)

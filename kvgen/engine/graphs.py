@@ -34,6 +34,9 @@ the graphs keep what won. On Hopper every kvgen kernel of a graph (the
 fused elementwise kernels, the GEMV and small GEMM, the runtime's cache
 write, page quantize and decode) launches with
 programmatic dependent launch (:mod:`.pdl`; ``KVGEN_PDL=0`` turns it off).
+Where the small GEMM runs q/k/v with RoPE and the scheme stores new tokens
+unquantized (bf16 pages; int4's residual pages), it also stores k and v
+into their slots (:data:`WRITE_THROUGH`): no cache write kernel a layer.
 """
 
 from __future__ import annotations
@@ -45,8 +48,13 @@ import torch
 
 from kvgen.runtime.preconversion import pre_conversion_view
 
-from . import gemv, pdl
+from . import gemv, pdl, small_gemm
 from .model import CausalLM
+
+WRITE_THROUGH = True
+"""Whether the graphs let the q/k/v small GEMM store k and v into the cache pages itself (:func:`.gemv.
+qkv_rope_linear`'s ``write``) where the scheme keeps new tokens as they are (its cache_write module's
+``PLAIN_TARGET``), so no cache write kernel runs; False (comparisons): the write kernel every layer."""
 
 SMALL_BUCKETS = (1, 2, 4, 8)
 
@@ -151,11 +159,14 @@ class DecodeGraphs:
         ncomp = self.pre_compressed[:b] if after else self.num_compressed[:b]
         src, dst = self.conv_src[:b], self.conv_dst[:b]
         counters = {} if self.counters is None else {"counters": self.counters}
+        # getattr: a package whose write module predates PLAIN_TARGET keeps the write kernel
+        plain = getattr(write, "PLAIN_TARGET", None) if WRITE_THROUGH else None
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
             pools = cache.pools[layer]
             on = pdl.enabled(q)  # the runtime's kernels overlap their launches with the step's others too
-            write.launch(k.contiguous(), v.contiguous(), pools, slots, pdl=on)
+            if k is not None:  # (None: the q/k/v projection stored them: kv_write)
+                write.launch(k.contiguous(), v.contiguous(), pools, slots, pdl=on)
             if quantize is not None and not after:
                 quantize.launch(pools, src, dst, pdl=on)
             out = torch.empty_like(q)
@@ -172,6 +183,13 @@ class DecodeGraphs:
                         quantize.launch(pools, src, dst)
             return out
 
+        if plain is not None:
+            def kv_write(layer: int) -> small_gemm.KVWrite:
+                pools = cache.pools[layer]
+                return small_gemm.KVWrite(pools[plain[0]], pools[plain[1]], slots, cache.page_size,
+                                          write.PLAIN_ROW_STRIDE)
+
+            attend.kv_write = kv_write
         return attend
 
     def can_run(self, step: Any) -> bool:

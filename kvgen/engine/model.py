@@ -26,7 +26,10 @@ that projection runs elsewhere): no norm kernel between two small GEMMs.
 flat tokens; ``attend(layer, q, k, v)`` (``q [T, Hq, D]``, ``k``/``v``
 ``[T, Hkv, D]``, after RoPE) returns ``[T, Hq, D]``. The engine passes the
 runtime's prefill or decode op there, or, inside a CUDA graph, the kernels
-on static buffers.
+on static buffers. An ``attend`` with a ``kv_write(layer)`` attribute (the
+graphs') names the layer's cache pages and slots
+(:class:`.small_gemm.KVWrite`): where the q/k/v small GEMM stores k and v
+there itself, ``attend`` gets None for both.
 
 Tensor parallelism (``shard=`` a :class:`~kvgen.engine.shard.TPShard`):
 the layers hold the rank's rows of q/k/v and gate/up and its columns of o
@@ -48,7 +51,7 @@ from .config import ModelConfig
 from .rope import Rotary
 from .shard import TPShard
 
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Attend = Callable[[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -162,8 +165,9 @@ class Attention(nn.Module):
             q, k, v = fused.qkv_rope(qkv, positions, rotary.cos, rotary.sin, *heads, self.q_norm.weight,
                                      self.k_norm.weight, eps=self.cfg.rms_norm_eps)
         else:  # the same, or the projection's epilogue where the small GEMM runs it (gemv.qkv_rope_linear)
+            target = getattr(attend, "kv_write", None)
             q, k, v = gemv.qkv_rope_linear(x, self.qkv_weight, self.qkv_bias, positions, rotary.cos, rotary.sin,
-                                           *heads)
+                                           *heads, write=None if target is None else target(layer))
         out = attend(layer, q, k, v)
         return self.o_proj.forward_residual(out.reshape(T, -1).to(self.qkv_weight.dtype), residual)
 

@@ -111,10 +111,26 @@ def candidates(n: int, k: int, num_sms: int, rows: int | None = None,
 
 
 @dataclass(frozen=True)
+class KVWrite:
+    """Where a q|k|v launch stores k and v itself (write-through), in place of the KV cache's write kernel: the
+    cache pool tensors ``k`` and ``v`` of one layer in x's dtype (contiguous; rows of ``page_size`` tokens x
+    head_dim, ``row_stride`` elements apart, row ``page * heads_kv + head``: the runtime's plain layout,
+    ``PLAIN_TARGET`` and ``PLAIN_ROW_STRIDE`` of its cache_write module), and each row of x's slot, int64 ``[m]``
+    (``page * page_size + token``; negative: stored nowhere)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slots: torch.Tensor
+    page_size: int
+    row_stride: int
+
+
+@dataclass(frozen=True)
 class Rope:
     """A q|k|v projection's RoPE for :func:`launch_supported`: ``heads_q`` and ``heads_kv`` heads of ``head_dim``
     dims (rows of the weight: q heads, then k, then v), ``positions`` int64 ``[m]``, ``cos``/``sin`` float32
-    ``[max positions, head_dim / 2]`` (rotate-half form, :func:`.fused.qkv_rope`'s)."""
+    ``[max positions, head_dim / 2]`` (rotate-half form, :func:`.fused.qkv_rope`'s); ``write``: k and v go into
+    the KV cache (:class:`KVWrite`), not into the result."""
 
     heads_q: int
     heads_kv: int
@@ -122,6 +138,7 @@ class Rope:
     positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    write: KVWrite | None = None
 
 
 @dataclass(frozen=True)
@@ -147,7 +164,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
     ``[m, K]`` with unit stride in k, a contiguous weight ``[N, K]`` of the same dtype and device, K a multiple
     of the config's k block, a contiguous bias ``[N]`` or none; ``gated``: N even (gate rows, then up rows);
     ``rope``: N = (q heads + 2 kv heads) x head_dim, half a column block dividing half a head (a program holds
-    whole rotation pairs of one head), contiguous positions and tables on x's device; ``norm``: contiguous
+    whole rotation pairs of one head), contiguous positions and tables on x's device, and a write's pools
+    contiguous in x's dtype with int64 slots ``[m]``; ``norm``: contiguous
     float32 stats ``[1..MAX_STATS, x's row bucket]`` and a contiguous weight ``[K]`` of x's dtype; ``residual``: a
     plain projection (not gated, no rope, no norm), ``[m, N]`` of x's dtype with unit column stride, not sharing x's
     storage."""
@@ -176,6 +194,13 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
                 or any(t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != half or not t.is_contiguous()
                        or t.device != x.device for t in (rope.cos, rope.sin))
                 or rope.positions.device != x.device):
+            return False
+        kw = rope.write
+        if kw is not None and (
+                any(t.dtype != x.dtype or not t.is_contiguous() or t.device != x.device for t in (kw.k, kw.v))
+                or kw.slots.shape != (x.shape[0],) or kw.slots.dtype != torch.int64
+                or not kw.slots.is_contiguous() or kw.slots.device != x.device or kw.page_size < 1
+                or kw.row_stride < kw.page_size * rope.head_dim):
             return False
     K = weight.shape[1]
     # float32 only under the interpreter (tests): on a GPU tl.dot would round its inputs to tf32
@@ -232,7 +257,8 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     ``gated``: ``weight`` is a gate|up projection (gate rows, then as many up rows) and the result is
     ``silu(gate) * up`` ``[m, N/2]``, rounded as Hugging Face's eager MLP rounds (:func:`.fused.silu_mul`'s
     rounding): one kernel, no ``[m, N]`` intermediate. ``rope`` (a q|k|v projection, :class:`Rope`): the result
-    is ``(q, k, v)``, RoPE applied to q and k, as :func:`.fused.qkv_rope` returns them for the plain projection.
+    is ``(q, k, v)``, RoPE applied to q and k, as :func:`.fused.qkv_rope` returns them for the plain projection;
+    with ``rope.write`` it is ``(q, None, None)``, k and v stored into the cache pages (:class:`KVWrite`).
     ``residual`` (``[m, N]``, a pre-norm block's residual stream): ``residual += x weight^T (+ bias)`` in place,
     each rounded as Hugging Face rounds, and the result is ``(residual, stats)``, stats the float32 sums of
     squares of each row per column block that a ``norm=`` launch reads. ``norm`` (:class:`Norm`): x is such a
@@ -272,8 +298,9 @@ def launch_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if gated:  # a program reads block_n weight rows, half gate and half up, for block_n / 2 output columns
         N //= 2
     stats = None
-    if rope is not None:  # one flat q | k | v buffer (fused.qkv_rope's), whole heads a program
-        out = torch.empty(m * N, dtype=x.dtype, device=x.device)
+    if rope is not None:  # one flat q | k | v buffer (fused.qkv_rope's), whole heads a program; q alone if written
+        written = 0 if rope.write is None else 2 * rope.heads_kv * rope.head_dim
+        out = torch.empty(m * (N - written), dtype=x.dtype, device=x.device)
         n_blocks = N // config.block_n
     elif residual is not None:  # updated in place; each column block's sums of squares beside it
         out = residual
@@ -301,13 +328,17 @@ def launch_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         trig.update(NORM=True, STATS_PAD=fused._pow2(norm.stats.shape[0]))
     if residual is not None:
         trig.update(RESIDUAL=True)
+    kv = (out, out, out, 0) if rope is None or rope.write is None else (
+        rope.write.k, rope.write.v, rope.write.slots, rope.write.row_stride)
+    if rope is not None and rope.write is not None:
+        trig.update(KV_PAGE=rope.write.page_size)
     stats_arg = norm.stats if norm is not None else (stats if stats is not None else out)
     _kernel(interpret)[(n_blocks, split)](
         x, weight, bias if bias is not None else out, out, partials, counters, m, N, K, x.stride(0),
         out.stride(0) if rope is None else 0, split, *((out, out, out) if rope is None else
                                                        (rope.positions, rope.cos, rope.sin)),
         stats_arg, out if norm is None else norm.weight, 0 if norm is None else norm.stats.shape[0],
-        0.0 if norm is None else float(norm.eps),
+        0.0 if norm is None else float(norm.eps), *kv,
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT=split > 1, GATED=gated, **trig, **opts)
     if residual is not None:
@@ -315,5 +346,7 @@ def launch_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if rope is None:
         return out
     hq, hkv, d = rope.heads_q, rope.heads_kv, rope.head_dim
+    if rope.write is not None:
+        return out.view(m, hq, d), None, None
     return (out[:m * hq * d].view(m, hq, d), out[m * hq * d:m * (hq + hkv) * d].view(m, hkv, d),
             out[m * (hq + hkv) * d:].view(m, hkv, d))

@@ -19,12 +19,12 @@ INTERPRET = triton_interpret()
 
 @triton.jit(do_not_specialize=["m", "split_k"])
 def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m, n, k, stride_x, stride_out, split_k,
-                      pos_ptr, cos_ptr, sin_ptr, stats_ptr, norm_w_ptr, n_stats, eps,
-                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      pos_ptr, cos_ptr, sin_ptr, stats_ptr, norm_w_ptr, n_stats, eps, kv_k_ptr, kv_v_ptr, slot_ptr,
+                      kv_row_stride, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT: tl.constexpr, PDL: tl.constexpr = False, GATED: tl.constexpr = False,
                       ROPE_HQ: tl.constexpr = 0, ROPE_HKV: tl.constexpr = 0, ROPE_HALF: tl.constexpr = 0,
                       RESIDUAL: tl.constexpr = False, NORM: tl.constexpr = False, STATS_PAD: tl.constexpr = 1,
-                      PREFETCH: tl.constexpr = 0):
+                      PREFETCH: tl.constexpr = 0, KV_PAGE: tl.constexpr = 0):
     """``out[i, j] = sum_k x[i, k] w[j, k] (+ bias[j])`` for ``i < m <= BLOCK_M``: program (pid_n, pid_k) owns
     output columns ``[pid_n BLOCK_N, +BLOCK_N)`` and its share of k, a whole number of BLOCK_K blocks.
 
@@ -50,7 +50,11 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
     dims of its second half, the pairs RoPE rotates together; it rotates q and k by ``cos``/``sin`` (float32
     ``[positions, HALF]``) at each row's ``pos`` and stores q ``[m, HQ, D]``, then k and v ``[m, HKV, D]``, into
     one flat ``out`` -- what :func:`kvgen.engine.fused.qkv_rope` makes of the plain projection, rounded as it
-    rounds (:func:`_finish_rope`), with no kernel of its own. ``n`` is unused then.
+    rounds (:func:`_finish_rope`), with no kernel of its own. ``n`` is unused then. KV_PAGE > 0 (write-through):
+    k and v go straight into the KV cache's pages instead of ``out`` (which then holds q alone) -- the token of row
+    i, KV head h, at ``((s // KV_PAGE) * ROPE_HKV + h) * kv_row_stride + (s % KV_PAGE) * D`` of ``kv_k_ptr`` /
+    ``kv_v_ptr`` for its slot ``s = slot[i]`` (int64; rows with a negative slot store nothing): the cache write
+    runs as no kernel of its own either.
 
     RESIDUAL (a plain projection whose output a pre-norm block adds into the residual stream): ``out`` is that
     stream ``[m, n]``, read and updated in place, ``out = out + (x w^T + bias)`` with the projection rounded to the
@@ -136,8 +140,9 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
         tl.extra.cuda.gdc_launch_dependents()
     if not SPLIT:
         if ROPE_HQ > 0:
-            _finish_rope(acc, bias_ptr, rows, out_ptr, offs_m, m_ok, m, pid_n, pos_ptr, cos_ptr, sin_ptr, HAS_BIAS,
-                         BLOCK_M, BLOCK_N, ROPE_HQ, ROPE_HKV, ROPE_HALF)
+            _finish_rope(acc, bias_ptr, rows, out_ptr, offs_m, m_ok, m, pid_n, pos_ptr, cos_ptr, sin_ptr, kv_k_ptr,
+                         kv_v_ptr, slot_ptr, kv_row_stride, HAS_BIAS, BLOCK_M, BLOCK_N, ROPE_HQ, ROPE_HKV, ROPE_HALF,
+                         KV_PAGE)
         else:
             _finish(acc, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, stats_ptr, HAS_BIAS,
                     BLOCK_M, BLOCK_N, GATED, RESIDUAL)
@@ -156,7 +161,8 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
                 total += tl.load(part_ptr + (s * n_blocks + pid_n).to(tl.int64) * slot + tile, cache_modifier=".cg")
             if ROPE_HQ > 0:
                 _finish_rope(total, bias_ptr, rows, out_ptr, offs_m, m_ok, m, pid_n, pos_ptr, cos_ptr, sin_ptr,
-                             HAS_BIAS, BLOCK_M, BLOCK_N, ROPE_HQ, ROPE_HKV, ROPE_HALF)
+                             kv_k_ptr, kv_v_ptr, slot_ptr, kv_row_stride, HAS_BIAS, BLOCK_M, BLOCK_N, ROPE_HQ,
+                             ROPE_HKV, ROPE_HALF, KV_PAGE)
             else:
                 _finish(total, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid_n, stats_ptr,
                         HAS_BIAS, BLOCK_M, BLOCK_N, GATED, RESIDUAL)
@@ -215,12 +221,13 @@ def _finish(acc, bias_ptr, rows, n_ok, n, out_ptr, stride_out, offs_m, m_ok, pid
 
 
 @triton.jit
-def _finish_rope(acc, bias_ptr, rows, out_ptr, offs_m, m_ok, m, pid_n, pos_ptr, cos_ptr, sin_ptr,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HQ: tl.constexpr,
-                 HKV: tl.constexpr, HALF: tl.constexpr):
+def _finish_rope(acc, bias_ptr, rows, out_ptr, offs_m, m_ok, m, pid_n, pos_ptr, cos_ptr, sin_ptr, kv_k_ptr, kv_v_ptr,
+                 slot_ptr, kv_row_stride, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, KV_PAGE: tl.constexpr):
     """Store a q|k|v program's ``acc [BLOCK_N, BLOCK_M]``: its two halves are dims ``d`` and ``d + HALF`` of one
     head. Rounded to the model dtype (the projection's output), then q and k rotated in float32 and rounded again,
-    as :func:`kvgen.engine.fused_kernels.qkv_rope_kernel` does with the projection's rounded output; v as it is."""
+    as :func:`kvgen.engine.fused_kernels.qkv_rope_kernel` does with the projection's rounded output; v as it is.
+    KV_PAGE > 0: k and v heads to their slots' cache pages (the kernel's docstring), q to ``out``."""
     dt = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
@@ -244,5 +251,18 @@ def _finish_rope(acc, bias_ptr, rows, out_ptr, offs_m, m_ok, m, pid_n, pos_ptr, 
                     tl.where(h < HQ + HKV, m * (HQ * D) + t64 * (HKV * D) + (h - HQ) * D,
                              m * ((HQ + HKV) * D) + t64 * (HKV * D) + (h - HQ - HKV) * D))
     ptrs = out_ptr + base[None, :] + d[:, None]
-    tl.store(ptrs, o1.to(dt), mask=m_ok[None, :])
-    tl.store(ptrs + HALF, o2.to(dt), mask=m_ok[None, :])
+    mask = m_ok[None, :]
+    if KV_PAGE > 0:
+        if h >= HQ:  # a k or v head: into the cache page of each row's slot (the cache write's layout)
+            slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1).to(tl.int64)
+            live = m_ok & (slot >= 0)
+            slot = tl.where(live, slot, 0)
+            kvh = tl.where(h < HQ + HKV, h - HQ, h - HQ - HKV)
+            at = ((slot // KV_PAGE) * HKV + kvh) * kv_row_stride + (slot % KV_PAGE) * D
+            if h < HQ + HKV:
+                ptrs = kv_k_ptr + at[None, :] + d[:, None]
+            else:
+                ptrs = kv_v_ptr + at[None, :] + d[:, None]
+            mask = live[None, :]
+    tl.store(ptrs, o1.to(dt), mask=mask)
+    tl.store(ptrs + HALF, o2.to(dt), mask=mask)

@@ -41,20 +41,24 @@ def main() -> None:
                                   (True, False, True, True, False)]
             # (split, gated, rope, norm, residual, prefetch): the L2 prefetch before the PDL wait at 32 rows, with
             # the plain and the norm + SiLU variants
-            epilogues = [e + (0,) for e in epilogues]
+            # (..., prefetch, kv): and the RoPE epilogue storing k and v into the cache pages (write-through)
+            epilogues = [e + (0, False) for e in epilogues]
             if block_m == 32 and (block_n, block_k) == (64, 128):
-                epilogues += [(True, False, False, False, False, 4)]
+                epilogues += [(True, False, False, False, False, 4, False), (True, False, True, True, False, 0, True),
+                              (False, False, True, False, False, 0, True)]
             if block_m == 32 and (block_n, block_k) == (128, 64):
-                epilogues += [(False, True, False, True, False, 8)]
-            for split, gated, rope, norm, residual, prefetch in epilogues:
+                epilogues += [(False, True, False, True, False, 8, False)]
+            for split, gated, rope, norm, residual, prefetch, kv in epilogues:
                 consts = {"HAS_BIAS": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                           "SPLIT": split, "PDL": True, "GATED": gated, "NORM": norm, "RESIDUAL": residual,
-                          "STATS_PAD": 64, "ROPE_HQ": 0, "ROPE_HKV": 0, "ROPE_HALF": 0, "PREFETCH": prefetch}
+                          "STATS_PAD": 64, "ROPE_HQ": 0, "ROPE_HKV": 0, "ROPE_HALF": 0, "PREFETCH": prefetch,
+                          "KV_PAGE": 16 if kv else 0}
                 if rope:
                     consts.update(ROPE_HQ=32, ROPE_HKV=8, ROPE_HALF=64)
                 ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                         "part_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64", "cos_ptr": "*fp32",
-                        "sin_ptr": "*fp32", "stats_ptr": "*fp32", "norm_w_ptr": "*bf16"}
+                        "sin_ptr": "*fp32", "stats_ptr": "*fp32", "norm_w_ptr": "*bf16", "kv_k_ptr": "*bf16",
+                        "kv_v_ptr": "*bf16", "slot_ptr": "*i64"}
                 # specialized as the JIT specializes at a Llama layer's launch: n, k and the row strides are
                 # multiples of 16, the kernel's do_not_specialize arguments are not assumed to be
                 k = compile_for_sm90(fn, signature(fn.arg_names, consts, ptrs, ("eps",)), consts, warps, stages,
@@ -69,6 +73,7 @@ def main() -> None:
                 wait_at = ops.index("ACQBULK") if "ACQBULK" in ops else -1
                 out.append({"block_m": block_m, "tile": [block_n, block_k, stages, warps], "split": split,
                             "gated": gated, "rope": rope, "norm": norm, "residual": residual, "prefetch": prefetch,
+                            "kv": kv,
                             "sass_prefetches": [j for j, op in enumerate(ops) if op == "CCTL" and ".PF" in ins[j]],
                             "sass_wait": wait_at,
                             "registers": regs, "spill_bytes": spills,

@@ -58,9 +58,21 @@ def test_l2_prefetch_before_the_pdl_wait_and_the_loop_unchanged(builds):
         lines = b["prefetch"] * block_k * 2 // 128 * block_n
         assert lines // (32 * warps) <= len(b["sass_prefetches"]) <= 2 * lines // (32 * warps), b
         twin = [o for o in builds if o["prefetch"] == 0 and all(o[f] == b[f] for f in (
-            "block_m", "tile", "split", "gated", "rope", "norm", "residual"))]
+            "block_m", "tile", "split", "gated", "rope", "norm", "residual", "kv"))]
         assert len(twin) == 1, b
         # the k loop, the registers and the PDL order are those of the build without the prefetch
         assert b["loops"] == twin[0]["loops"] and b["registers"] <= twin[0]["registers"], (b, twin[0])
         assert 0 <= b["wait"] < b["first_load"], b
     assert all(not b["sass_prefetches"] for b in builds if not b["prefetch"])
+
+
+def test_write_through_leaves_the_k_loop_alone(builds):
+    """The RoPE epilogue storing k and v into the cache pages (KV_PAGE) changes the epilogue only: the k loop and
+    the PDL order are those of the same build storing them into its output, and nothing spills."""
+    kv = [b for b in builds if b["kv"]]
+    assert len(kv) == 2 and {b["split"] for b in kv} == {False, True}, kv
+    for b in kv:
+        twin = [o for o in builds if not o["kv"] and o["prefetch"] == 0 and all(o[f] == b[f] for f in (
+            "block_m", "tile", "split", "gated", "rope", "norm", "residual"))]
+        assert len(twin) == 1 and b["loops"][0] == twin[0]["loops"][0], (b, twin)
+        assert b["spill_bytes"] == 0 and 0 <= b["wait"] < b["first_load"], b

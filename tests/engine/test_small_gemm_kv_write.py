@@ -1,0 +1,178 @@
+"""The q/k/v small GEMM storing k and v straight into the KV cache's pages (write-through, small_gemm.KVWrite).
+
+CPU (CI, Triton interpreter): against the runtime's own cache write kernel (the generated cache_write module,
+whose ``PLAIN_TARGET`` / ``PLAIN_ROW_STRIDE`` state the layout the epilogue writes) -- every byte of every pool
+tensor the same, q the same, padding rows (negative slots) stored nowhere, page boundaries and every split --
+for a plain scheme (fp32 pages) and a residual one (int4: new tokens to its compute-dtype pool). The model with
+write-through against the model with the write kernel. GPU: the decode graphs run it (tests/engine/test_gpu.py
+compares graph steps with eager ones, which use the write kernel).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgen.engine import gemv, small_gemm
+from kvgen.runtime.pools import allocate_pool, poison_
+from tests.kernels.harness import load_op, pool_descriptions, residual_descriptions
+
+from .test_small_gemm import interpret  # noqa: F401  (the interpreter-only fixture)
+
+HQ, HKV, D, PAGE = 4, 2, 64, 16
+
+
+def _tables():
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    freqs = torch.outer(torch.arange(256).float(), inv)
+    return freqs.cos().contiguous(), freqs.sin().contiguous()
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "int4"])
+def test_write_through_equals_the_cache_write_kernel(interpret, scheme):
+    write = load_op("cache_write", scheme, D, HKV, HQ // HKV, PAGE, torch.float32, dev="cpu")
+    assert write.PLAIN_TARGET == (("rk", "rv") if scheme == "int4" else ("k", "v"))
+    from kvgen.registry import default_registry
+
+    s = default_registry().schemes[scheme]
+    descs = residual_descriptions(D, PAGE) if scheme == "int4" else pool_descriptions(s, D, PAGE)
+    g = torch.Generator().manual_seed(21)
+    k_in = 256
+    w = torch.randn((HQ + 2 * HKV) * D, k_in, generator=g)
+    b = torch.randn((HQ + 2 * HKV) * D, generator=g)
+    cos, sin = _tables()
+    for m in (5, 17, 40):
+        x = torch.randn(m, k_in, generator=g)
+        pos = torch.randint(0, 256, (m,), generator=g)
+        # distinct slots over 6 pages, first and last token of a page among them; two padding rows
+        slots = torch.randperm(6 * PAGE, generator=g)[:m].to(torch.int64)
+        slots[0], slots[1] = PAGE - 1, PAGE
+        slots[m // 2] = slots[m - 1] = -1
+        for cfg in (small_gemm.Config(64, 128, 1), small_gemm.Config(64, 64, 2), small_gemm.Config(32, 64, 4)):
+            # two copies of a poisoned pool (NaN): what no write reaches stays poison, in both alike
+            pools = [{n: poison_(t) for n, t in allocate_pool(descs, 7, HKV, torch.float32, "cpu").items()}
+                     for _ in range(2)]
+            ka, va = write.PLAIN_TARGET
+            kw = small_gemm.KVWrite(pools[0][ka], pools[0][va], slots, PAGE, write.PLAIN_ROW_STRIDE)
+            q, none_k, none_v = small_gemm.small_gemm(x, w, b, cfg, rope=small_gemm.Rope(HQ, HKV, D, pos, cos, sin,
+                                                                                           kw))
+            assert none_k is None and none_v is None
+            q_ref, k_ref, v_ref = small_gemm.small_gemm(x, w, b, cfg, rope=small_gemm.Rope(HQ, HKV, D, pos, cos, sin))
+            write.launch(k_ref, v_ref, pools[1], slots)
+            assert torch.equal(q, q_ref), (m, cfg)
+            for name in pools[0]:  # the same bytes, poison (NaN, unequal to itself) included
+                assert torch.equal(pools[0][name].view(torch.uint8), pools[1][name].view(torch.uint8)), \
+                    (m, cfg, name)
+            written = pools[0][ka].view(-1, PAGE, D)
+            assert not torch.isnan(written[slots[0] // PAGE * HKV, slots[0] % PAGE]).any()
+
+
+def test_write_through_refusals(interpret):
+    cos, sin = _tables()
+    x, w = torch.randn(8, 128), torch.randn((HQ + 2 * HKV) * D, 128)
+    pos = torch.zeros(8, dtype=torch.long)
+    pool = torch.zeros(4, HKV, PAGE, D)
+    cfg = small_gemm.Config(64, 128, 1)
+    ok = small_gemm.KVWrite(pool, pool.clone(), torch.zeros(8, dtype=torch.int64), PAGE, PAGE * D)
+    assert small_gemm.supports(x, w, None, cfg, rope=small_gemm.Rope(HQ, HKV, D, pos, cos, sin, ok))
+    for bad in (small_gemm.KVWrite(pool.half(), pool, ok.slots, PAGE, PAGE * D),  # not x's dtype
+                small_gemm.KVWrite(pool, pool, ok.slots.int(), PAGE, PAGE * D),  # int32 slots
+                small_gemm.KVWrite(pool, pool, ok.slots[:4], PAGE, PAGE * D),  # not a slot a row
+                small_gemm.KVWrite(pool.transpose(2, 3), pool, ok.slots, PAGE, PAGE * D),  # not contiguous
+                small_gemm.KVWrite(pool, pool, ok.slots, PAGE, PAGE * D - 1)):  # rows overlap
+        assert not small_gemm.supports(x, w, None, cfg, rope=small_gemm.Rope(HQ, HKV, D, pos, cos, sin, bad)), bad
+
+
+def test_qkv_rope_linear_writes_through_only_on_the_small_gemm(interpret, monkeypatch):
+    """Off the small GEMM ``qkv_rope_linear`` returns k and v for the caller's write (the write target unused);
+    on it, None for both, the cache holding them."""
+    cos, sin = _tables()
+    g = torch.Generator().manual_seed(22)
+    x, w = torch.randn(8, 128, generator=g), torch.randn((HQ + 2 * HKV) * D, 128, generator=g)
+    pos = torch.randint(0, 256, (8,), generator=g)
+    pool_k, pool_v = torch.zeros(4, HKV, PAGE, D), torch.zeros(4, HKV, PAGE, D)
+    slots = torch.arange(8, dtype=torch.int64) + PAGE - 3
+    target = small_gemm.KVWrite(pool_k, pool_v, slots, PAGE, PAGE * D)
+    q, k, v = gemv.qkv_rope_linear(x, w, None, pos, cos, sin, HQ, HKV, D, write=target)
+    assert k is not None and v is not None and int(pool_k.count_nonzero()) == 0
+    cfg = small_gemm.Config(64, 128, 1)
+    monkeypatch.setattr(gemv, "_chosen", lambda x_, w_, b_: cfg)
+    launch = small_gemm.launch_supported
+    monkeypatch.setattr(small_gemm, "launch_supported", lambda *a, **kw: launch(*a, interpret=True, **kw))
+    q2, k2, v2 = gemv.qkv_rope_linear(x, w, None, pos, cos, sin, HQ, HKV, D, write=target)
+    assert k2 is None and v2 is None
+    torch.testing.assert_close(q2, q, rtol=1e-5, atol=1e-5)
+    for t, (pool, ref) in enumerate(((pool_k, k), (pool_v, v))):
+        flat = pool.view(-1, PAGE, D)  # rows page * HKV + head
+        for i, s in enumerate(slots.tolist()):
+            for h in range(HKV):
+                torch.testing.assert_close(flat[(s // PAGE) * HKV + h, s % PAGE], ref[i, h], rtol=1e-5, atol=1e-5)
+
+
+def _tiny_llama(folder):
+    """stories260K's tokenizer with a random 2-layer Llama of two 64-dim query heads and one KV head (a head size
+    int4 takes, and the RoPE epilogue's half column block of 8 divides half of it), saved as a checkpoint
+    folder."""
+    import json
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    from .helpers import STORIES
+
+    raw = json.loads((STORIES / "config.json").read_text())
+    raw.update(num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_hidden_layers=2, intermediate_size=128)
+    raw.pop("transformers_version", None)
+    cfg = transformers.AutoConfig.for_model(**raw)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    hf.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(STORIES / name, folder / name)
+    return folder
+
+
+@pytest.mark.parametrize("kv", ["fp32", "int4"])
+def test_graph_steps_writing_through_give_the_write_kernels_tokens(interpret, kv, tmp_path, monkeypatch):
+    """The decode graphs' steps (run eagerly on the CPU: static buffers, padding rows, int4's in-graph page
+    conversions) with the q/k/v small GEMM storing k and v into the pages, against the same steps with the
+    cache write kernel: the same greedy tokens, and no write kernel in the graph steps."""
+    from kvgen.engine import SamplingParams, graphs
+    from kvgen.engine.llm import LLM
+
+    folder = _tiny_llama(tmp_path)
+    cfg = small_gemm.Config(64, 64, 1)  # few programs: the interpreter's time (the kernel tests cover the splits)
+    monkeypatch.setattr(gemv, "_chosen", lambda x, w, b: cfg if small_gemm.supports(x, w, b, cfg) else None)
+    launch = small_gemm.launch_supported
+    monkeypatch.setattr(small_gemm, "launch_supported", lambda *a, **kw: launch(*a, interpret=True, **kw))
+    # 6 sequences: the graphs' bucket of 8 rows, the small GEMM's (5 to 64)
+    prompts = ["Once upon a time there was a", "The sun", "Lily and Tom went to the", "One day", "Tim had a big",
+               "She saw a bird and"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    results, writes, steps = [], [], []
+    for through in (True, False):
+        monkeypatch.setattr(graphs, "WRITE_THROUGH", through)
+        llm = LLM(str(folder), kv=kv, max_tokens=2048, max_num_seqs=8, verbose=False)
+        eng = llm.engine
+        write = eng.cache.kernels["cache_write"]
+        count = [0]
+
+        def counted(*a, plain=write.launch, **kw):
+            count[0] += 1
+            return plain(*a, **kw)
+
+        with monkeypatch.context() as m:
+            m.setattr(write, "launch", counted)
+            eng.runner.graphs = graphs.DecodeGraphs(eng.runner.model, eng.cache, 8, eng.max_model_len,
+                                                    capture=False)
+            results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        writes.append(count[0])
+        steps.append(eng.runner.graph_steps)
+        if kv == "int4":
+            assert eng.runner.graphs.converted_steps > 0
+    assert steps[0] == steps[1] >= 8
+    assert results[0] == results[1]
+    # every graph step of the write-kernel run wrote each of the 2 layers; the write-through run did not
+    assert writes[1] - writes[0] == 2 * steps[1], writes
