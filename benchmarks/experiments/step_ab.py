@@ -65,11 +65,11 @@ def variant(name: str):
     elif name == "write_kernel":
         from kvgen.engine import graphs
 
-        graphs.WRITE_THROUGH = False
+        was, graphs.WRITE_THROUGH = graphs.WRITE_THROUGH, False
         try:
             yield
         finally:
-            graphs.WRITE_THROUGH = True
+            graphs.WRITE_THROUGH = was
     elif name.startswith("prefetch") and name[len("prefetch"):].isdigit():
         old = os.environ.get(pdl.PREFETCH_SWITCH)
         os.environ[pdl.PREFETCH_SWITCH] = name[len("prefetch"):]

@@ -39,7 +39,7 @@ WARPS = (4, 8)
 DEPTHS = (2, 3, 4)
 """Shared-memory stages per warp (tiles in flight: one fewer) the decode library is built for; pages of 16-bit
 elements are built for 2 only (see :func:`depths_for`)."""
-ABI_VERSION = 3
+ABI_VERSION = 4
 """The version of kvgen_decode's parameter list: rendered into the library and into the module that checks it."""
 MAX_SPLITS = 128
 """The most split-K splits a CUDA decode launch takes: the Python module caps its configs here, the C entry refuses

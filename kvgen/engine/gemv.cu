@@ -155,8 +155,9 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const T* __restrict__ 
   }
   // Before the first chunk's wait (PDL): ask L2 for the first prefetch_bytes of the block's rows (a share each),
   // which no kernel writes, so a block launched during the previous kernel's tail has them in flight as it waits.
-  // Every line lies within its row (line j starts at vector 8 j < k8). 0 with the switch off (kvgen/engine/pdl.py).
-  const int lines = min(prefetch_bytes / (WARPS * ROWS * 128), (k8 + 7) / 8);
+  // Every line lies within its row (line j starts at vector 8 j < k8). At least one line a row once asked for (as
+  // the small GEMM takes at least one block); 0 with the switch off (kvgen/engine/pdl.py).
+  const int lines = prefetch_bytes > 0 ? min(max(prefetch_bytes / (WARPS * ROWS * 128), 1), (k8 + 7) / 8) : 0;
   for (int j = lane; j < lines; j += 32)
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) prefetch_l2(wv[r] + 8 * j);

@@ -186,7 +186,7 @@ class DecodeGraphs:
         if plain is not None:
             def kv_write(layer: int) -> small_gemm.KVWrite:
                 pools = cache.pools[layer]
-                return small_gemm.KVWrite(pools[plain[0]], pools[plain[1]], slots, cache.page_size,
+                return small_gemm.KVWrite(pools[plain[0]], pools[plain[1]], slots, write.PAGE,
                                           write.PLAIN_ROW_STRIDE)
 
             attend.kv_write = kv_write

@@ -16,7 +16,9 @@ equivalent to plain stream order:
   first, but that peeled chunk is what lets it pipeline the loop: gemv.cu);
 - who signals ``griddepcontrol.launch_dependents``, and when:
   - the GEMV and the small GEMM (:mod:`.small_gemm`, 5-64 rows), after
-    their weight loops;
+    their weight loops (not a q/k/v launch that writes the KV cache
+    itself: the decode kernel after it launches as its programs exit, as
+    it did after the cache write kernel);
   - the two short kernels whose next kernel is a projection, the fused
     residual-add + RMSNorm and SiLU * up, right after their wait: the
     projection's blocks launch during their few microseconds and wait
@@ -51,21 +53,17 @@ program that launched during the previous kernel's tail can have them in
 flight while it waits. An experiment, off unless ``KVGEN_PREFETCH_KB``
 says how many KiB a program (a GEMV block, a small-GEMM program) asks for
 (:func:`prefetch_bytes`); benchmarks/experiments/step_ab.py measures it.
+Both switches are read by :mod:`kvgen.runtime.env`.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from kvgen.runtime.env import triton_interpret
-
-from .errors import EngineError
-
-_SWITCH = "KVGEN_PDL"
-PREFETCH_SWITCH = "KVGEN_PREFETCH_KB"
+# PREFETCH_SWITCH and prefetch_bytes are the projections' (small_gemm, gemv), re-exported beside enabled
+from kvgen.runtime.env import PREFETCH_SWITCH, pdl_allowed, prefetch_bytes, triton_interpret  # noqa: F401
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,19 +75,7 @@ def enabled(t: torch.Tensor) -> bool:
     """Whether a kernel over ``t`` launches with PDL: a CUDA tensor on compute capability 9.0+, no Triton
     interpreter, and ``KVGEN_PDL`` unset or not ``0`` (read at each launch: a CUDA graph keeps what its capture
     launched)."""
-    if not t.is_cuda or os.environ.get(_SWITCH, "1") in ("", "0") or triton_interpret():
+    if not t.is_cuda or not pdl_allowed() or triton_interpret():
         return False
     return _hopper_or_newer(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
-
-def prefetch_bytes() -> int:
-    """The weight bytes a PDL launch of a projection asks L2 for before its wait, per program: ``KVGEN_PREFETCH_KB``
-    KiB (read at each launch: a CUDA graph keeps what its capture launched); 0 when unset or 0. Raises EngineError
-    for a value that is not a whole number."""
-    raw = os.environ.get(PREFETCH_SWITCH, "").strip()
-    if not raw.isdigit():
-        if raw:
-            raise EngineError(f"{PREFETCH_SWITCH} must be a whole number of KiB (0 or unset: no prefetch), "
-                              f"got {raw!r}")
-        return 0
-    return int(raw) * 1024

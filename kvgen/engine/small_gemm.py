@@ -113,10 +113,11 @@ def candidates(n: int, k: int, num_sms: int, rows: int | None = None,
 @dataclass(frozen=True)
 class KVWrite:
     """Where a q|k|v launch stores k and v itself (write-through), in place of the KV cache's write kernel: the
-    cache pool tensors ``k`` and ``v`` of one layer in x's dtype (contiguous; rows of ``page_size`` tokens x
-    head_dim, ``row_stride`` elements apart, row ``page * heads_kv + head``: the runtime's plain layout,
-    ``PLAIN_TARGET`` and ``PLAIN_ROW_STRIDE`` of its cache_write module), and each row of x's slot, int64 ``[m]``
-    (``page * page_size + token``; negative: stored nowhere)."""
+    cache pool tensors ``k`` and ``v`` of one layer in x's dtype, contiguous ``[pages, heads_kv, page_size,
+    head_dim]``, whose (page, head) rows are ``row_stride`` elements apart (the runtime's plain layout:
+    ``PLAIN_TARGET``, ``PAGE`` and ``PLAIN_ROW_STRIDE`` of its cache_write module), and each row of x's slot,
+    int64 ``[m]`` (``page * page_size + token``; negative: stored nowhere). :func:`supports` refuses pools of
+    another shape (a write to the wrong offsets), as the write kernel does."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -196,11 +197,12 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
                 or rope.positions.device != x.device):
             return False
         kw = rope.write
+        pool_shape = (rope.heads_kv, kw.page_size, rope.head_dim) if kw is not None else None
         if kw is not None and (
-                any(t.dtype != x.dtype or not t.is_contiguous() or t.device != x.device for t in (kw.k, kw.v))
+                any(t.dtype != x.dtype or not t.is_contiguous() or t.device != x.device or t.dim() != 4
+                    or tuple(t.shape[1:]) != pool_shape or t.stride(1) != kw.row_stride for t in (kw.k, kw.v))
                 or kw.slots.shape != (x.shape[0],) or kw.slots.dtype != torch.int64
-                or not kw.slots.is_contiguous() or kw.slots.device != x.device or kw.page_size < 1
-                or kw.row_stride < kw.page_size * rope.head_dim):
+                or not kw.slots.is_contiguous() or kw.slots.device != x.device):
             return False
     K = weight.shape[1]
     # float32 only under the interpreter (tests): on a GPU tl.dot would round its inputs to tf32

@@ -135,8 +135,11 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
             gain_next = tl.load(norm_w_ptr + BLOCK_K + kk, mask=BLOCK_K + kk < k_end, other=0.0)
             xt = ((xt.to(tl.float32) * rstd[:, None]).to(xt.dtype).to(tl.float32) * gain[None, :]).to(xt.dtype)
         acc = tl.dot(w, tl.trans(xt), acc)
-    if PDL:
-        # the weights are read: the next kernel's programs may launch (and wait for this one's completion)
+    if PDL and KV_PAGE == 0:
+        # the weights are read: the next kernel's programs may launch (and wait for this one's completion). Not
+        # when this launch writes the KV cache: the next kernel is then the decode, whose blocks launched early
+        # cost int4 3.5% a step at B=32 (kvgen/engine/pdl.py); they launch as this launch's programs exit, as
+        # they did after the cache write kernel this launch replaces.
         tl.extra.cuda.gdc_launch_dependents()
     if not SPLIT:
         if ROPE_HQ > 0:

@@ -20,6 +20,12 @@ re-exports it for the compiler side.
   variants at ``load()`` (default on; CUDA only, see ``runtime/warmup.py``).
 - ``TRITON_INTERPRET``: when ``1``, Triton kernels run on the CPU
   interpreter; kvgen then skips autotuning and keeps tensors on the CPU.
+- ``KVGEN_PDL``: ``0`` launches every kernel plainly, without programmatic
+  dependent launch (the engine's graphs; a split CUDA decode's reduce
+  kernel); default on where the GPU has it (sm_90+).
+- ``KVGEN_PREFETCH_KB``: KiB of weights each program of the engine's
+  projections asks L2 for before its PDL wait (an experiment; unset or 0:
+  none).
 """
 
 from __future__ import annotations
@@ -59,6 +65,27 @@ def autotune_mode() -> str:
         from .errors import KvgenRuntimeError
         raise KvgenRuntimeError(f"KVGEN_AUTOTUNE must be one of {', '.join(AUTOTUNE_MODES)}, got {raw!r}")
     return raw
+
+
+def pdl_allowed() -> bool:
+    """``KVGEN_PDL``: False when set to ``0`` or empty; default True (kernels may launch with programmatic dependent
+    launch where the device has it)."""
+    return os.environ.get("KVGEN_PDL", "1") not in ("", "0")
+
+
+PREFETCH_SWITCH = "KVGEN_PREFETCH_KB"
+
+
+def prefetch_bytes() -> int:
+    """``KVGEN_PREFETCH_KB`` in bytes: 0 when unset or 0. Raises KvgenRuntimeError unless a whole number."""
+    raw = os.environ.get(PREFETCH_SWITCH, "").strip()
+    if not raw:
+        return 0
+    if not (raw.isascii() and raw.isdigit()):
+        from .errors import KvgenRuntimeError
+        raise KvgenRuntimeError(f"{PREFETCH_SWITCH} must be a whole number of KiB (0 or unset: no prefetch), "
+                                f"got {raw!r}")
+    return int(raw) * 1024
 
 
 def warmup_enabled() -> bool:

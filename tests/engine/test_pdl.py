@@ -36,14 +36,14 @@ def test_the_switch_turns_pdl_off_before_looking_at_the_device(monkeypatch):
 
 
 def test_the_prefetch_switch_is_whole_kib_or_off(monkeypatch):
-    from kvgen.engine.errors import EngineError
+    from kvgen.runtime.errors import KvgenRuntimeError
 
     monkeypatch.delenv(pdl.PREFETCH_SWITCH, raising=False)
     assert pdl.prefetch_bytes() == 0
     for value, want in (("", 0), ("0", 0), ("1", 1024), (" 96 ", 96 * 1024)):
         monkeypatch.setenv(pdl.PREFETCH_SWITCH, value)
         assert pdl.prefetch_bytes() == want, value
-    for bad in ("-1", "4k", "1.5"):
+    for bad in ("-1", "4k", "1.5", "\u00b2"):  # (a superscript two is a digit to str.isdigit, not to int)
         monkeypatch.setenv(pdl.PREFETCH_SWITCH, bad)
-        with pytest.raises(EngineError, match=pdl.PREFETCH_SWITCH):
+        with pytest.raises(KvgenRuntimeError, match=pdl.PREFETCH_SWITCH):
             pdl.prefetch_bytes()

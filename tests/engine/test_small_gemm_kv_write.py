@@ -22,15 +22,17 @@ from .test_small_gemm import interpret  # noqa: F401  (the interpreter-only fixt
 HQ, HKV, D, PAGE = 4, 2, 64, 16
 
 
-def _tables():
-    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+def _tables(d=D):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     freqs = torch.outer(torch.arange(256).float(), inv)
     return freqs.cos().contiguous(), freqs.sin().contiguous()
 
 
-@pytest.mark.parametrize("scheme", ["fp32", "int4"])
-def test_write_through_equals_the_cache_write_kernel(interpret, scheme):
-    write = load_op("cache_write", scheme, D, HKV, HQ // HKV, PAGE, torch.float32, dev="cpu")
+@pytest.mark.parametrize("scheme,dtype,D,PAGE", [("fp32", torch.float32, 64, 16), ("int4", torch.float32, 64, 16),
+                                                ("fp16", torch.float16, 96, 8), ("int4", torch.float16, 96, 32)])
+def test_write_through_equals_the_cache_write_kernel(interpret, scheme, dtype, D, PAGE):  # noqa: N803
+    """(head_dim 96: the write kernel's tile is 128 wide, masked; pages of 8 and 32 tokens)"""
+    write = load_op("cache_write", scheme, D, HKV, HQ // HKV, PAGE, dtype, dev="cpu")
     assert write.PLAIN_TARGET == (("rk", "rv") if scheme == "int4" else ("k", "v"))
     from kvgen.registry import default_registry
 
@@ -38,22 +40,25 @@ def test_write_through_equals_the_cache_write_kernel(interpret, scheme):
     descs = residual_descriptions(D, PAGE) if scheme == "int4" else pool_descriptions(s, D, PAGE)
     g = torch.Generator().manual_seed(21)
     k_in = 256
-    w = torch.randn((HQ + 2 * HKV) * D, k_in, generator=g)
-    b = torch.randn((HQ + 2 * HKV) * D, generator=g)
-    cos, sin = _tables()
+    w = torch.randn((HQ + 2 * HKV) * D, k_in, generator=g).to(dtype)
+    b = torch.randn((HQ + 2 * HKV) * D, generator=g).to(dtype)
+    cos, sin = _tables(D)
     for m in (5, 17, 40):
-        x = torch.randn(m, k_in, generator=g)
+        x = torch.randn(m, k_in, generator=g).to(dtype)
         pos = torch.randint(0, 256, (m,), generator=g)
         # distinct slots over 6 pages, first and last token of a page among them; two padding rows
-        slots = torch.randperm(6 * PAGE, generator=g)[:m].to(torch.int64)
-        slots[0], slots[1] = PAGE - 1, PAGE
+        perm = torch.randperm(7 * PAGE, generator=g)
+        edge = torch.tensor([PAGE - 1, PAGE])  # the last token of a page and the first of the next
+        slots = torch.cat([edge, perm[(perm != PAGE - 1) & (perm != PAGE)]])[:m].to(torch.int64)
         slots[m // 2] = slots[m - 1] = -1
         for cfg in (small_gemm.Config(64, 128, 1), small_gemm.Config(64, 64, 2), small_gemm.Config(32, 64, 4)):
+            if (D // 2) % (cfg.block_n // 2):
+                continue  # half a column block must divide half a head
             # two copies of a poisoned pool (NaN): what no write reaches stays poison, in both alike
-            pools = [{n: poison_(t) for n, t in allocate_pool(descs, 7, HKV, torch.float32, "cpu").items()}
+            pools = [{n: poison_(t) for n, t in allocate_pool(descs, 7, HKV, dtype, "cpu").items()}
                      for _ in range(2)]
             ka, va = write.PLAIN_TARGET
-            kw = small_gemm.KVWrite(pools[0][ka], pools[0][va], slots, PAGE, write.PLAIN_ROW_STRIDE)
+            kw = small_gemm.KVWrite(pools[0][ka], pools[0][va], slots, write.PAGE, write.PLAIN_ROW_STRIDE)
             q, none_k, none_v = small_gemm.small_gemm(x, w, b, cfg, rope=small_gemm.Rope(HQ, HKV, D, pos, cos, sin,
                                                                                            kw))
             assert none_k is None and none_v is None
@@ -79,7 +84,10 @@ def test_write_through_refusals(interpret):
                 small_gemm.KVWrite(pool, pool, ok.slots.int(), PAGE, PAGE * D),  # int32 slots
                 small_gemm.KVWrite(pool, pool, ok.slots[:4], PAGE, PAGE * D),  # not a slot a row
                 small_gemm.KVWrite(pool.transpose(2, 3), pool, ok.slots, PAGE, PAGE * D),  # not contiguous
-                small_gemm.KVWrite(pool, pool, ok.slots, PAGE, PAGE * D - 1)):  # rows overlap
+                small_gemm.KVWrite(pool, pool, ok.slots, PAGE, PAGE * D - 1),  # not the pool's row stride
+                small_gemm.KVWrite(pool[:, :1], pool[:, :1], ok.slots, PAGE, PAGE * D),  # not HKV heads
+                small_gemm.KVWrite(pool.view(4, HKV, 2 * PAGE, D // 2), pool.view(4, HKV, 2 * PAGE, D // 2),
+                                   ok.slots, 2 * PAGE, PAGE * D)):  # another page size and head size
         assert not small_gemm.supports(x, w, None, cfg, rope=small_gemm.Rope(HQ, HKV, D, pos, cos, sin, bad)), bad
 
 

@@ -43,7 +43,10 @@ def test_main_loop_streams_with_cp_async_into_wgmma(builds):
 def test_pdl_wait_before_any_load_and_signal_after_it(builds):
     for b in builds:
         assert 0 <= b["wait"] < b["first_load"], b  # x is the previous kernel's output
-        assert b["launch_dependents"] > b["wait"], b
+        if b["kv"]:  # the decode after it launches as its programs exit, not early (small_gemm_kernel)
+            assert b["launch_dependents"] == -1, b
+        else:
+            assert b["launch_dependents"] > b["wait"], b
 
 
 def test_l2_prefetch_before_the_pdl_wait_and_the_loop_unchanged(builds):
