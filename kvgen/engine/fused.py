@@ -21,15 +21,14 @@ depends on data, so CUDA graphs capture them.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from kvgen.runtime import env
 from kvgen.runtime.env import triton_interpret as _interpreting  # the one reading of TRITON_INTERPRET
 
 from . import pdl
 
-_TORCH_ONLY = "KVGEN_FUSED_TORCH"
 """Environment switch: ``1`` runs the plain-torch versions everywhere (debugging, comparisons)."""
 
 
@@ -47,7 +46,7 @@ def _kernels(interpret: bool):
 def _impl(x: torch.Tensor):
     """The Triton kernels module that runs for tensors like ``x``, or None for the torch versions (the rule:
     module docstring). One decision per call; the launchers take the module."""
-    if os.environ.get(_TORCH_ONLY, "0") not in ("", "0"):
+    if env.fused_torch_only():
         return None
     interp = _interpreting()
     if x.device.type != ("cpu" if interp else "cuda"):

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import sys
 import time
 import warnings
@@ -44,6 +43,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from kvgen.runtime import env
 
 from . import fused, pdl, projection_store, small_gemm
 
@@ -63,7 +64,6 @@ projection after another; in the step, Llama-3-8B's gate/up projection at batch 
 layer (H200, benchmarks/results/2026-12-03-nvidia-h200-7, recapture_step)."""
 CHECK_REL_L2 = 1e-2
 """A GEMV result further than this from cuBLAS's (relative L2) is not used (a broken build, not rounding)."""
-_SWITCH = "KVGEN_GEMV"
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 _ARGTYPES = [_P, _P, _P, _P, _I32, _I32, _I32, _I64, _I64, _I32, _I32, _P, _I32, _I32]
@@ -75,7 +75,7 @@ int) or a small-GEMM config; absent: cuBLAS."""
 
 def enabled() -> bool:
     """Whether :func:`choose` may pick the GEMV (``KVGEN_GEMV`` unset or not ``0``)."""
-    return os.environ.get(_SWITCH, "1") not in ("", "0")
+    return env.gemv_allowed()
 
 
 def _bucket(rows: int) -> int:

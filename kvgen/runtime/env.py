@@ -26,6 +26,10 @@ re-exports it for the compiler side.
 - ``KVGEN_PREFETCH_KB``: KiB of weights each program of the engine's
   projections asks L2 for before its PDL wait (an experiment; unset or 0:
   none).
+- ``KVGEN_GEMV``: ``0`` keeps the engine's projections on cuBLAS (no GEMV
+  or small GEMM chosen); default on.
+- ``KVGEN_FUSED_TORCH``: ``1`` runs the engine's fused elementwise kernels
+  as plain torch (comparisons); default off.
 """
 
 from __future__ import annotations
@@ -65,6 +69,16 @@ def autotune_mode() -> str:
         from .errors import KvgenRuntimeError
         raise KvgenRuntimeError(f"KVGEN_AUTOTUNE must be one of {', '.join(AUTOTUNE_MODES)}, got {raw!r}")
     return raw
+
+
+def gemv_allowed() -> bool:
+    """``KVGEN_GEMV``: False when set to ``0`` or empty; default True."""
+    return os.environ.get("KVGEN_GEMV", "1") not in ("", "0")
+
+
+def fused_torch_only() -> bool:
+    """``KVGEN_FUSED_TORCH``: True when set to anything but ``0`` or empty; default False."""
+    return os.environ.get("KVGEN_FUSED_TORCH", "0") not in ("", "0")
 
 
 def pdl_allowed() -> bool:
