@@ -244,8 +244,11 @@ class CausalLM(nn.Module):
         return residual if stats is not None else h + residual
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[N, vocab]`` of hidden rows ``[N, hidden]``."""
+    def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits ``[N, vocab]`` of hidden rows ``[N, hidden]``: float32, or (``float32=False``) in the model's
+        dtype as the LM head computes them, which the sampler widens only where it needs to
+        (:mod:`.sampler`)."""
         h = self.model.norm(hidden)
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return gemv.linear(h, w).float()
+        out = gemv.linear(h, w)
+        return out.float() if float32 else out

@@ -62,7 +62,8 @@ class ModelRunner:
 
     def run(self, step: Any, input_ids: list[int] | torch.Tensor, positions: list[int],
             sample_rows: list[int]) -> torch.Tensor | None:
-        """float32 logits ``[len(sample_rows), vocab]`` of the step's rows ``sample_rows`` (None if none).
+        """Logits ``[len(sample_rows), vocab]`` of the step's rows ``sample_rows`` (None if none), in the model's
+        dtype (the sampler widens them where it needs float32: :mod:`.sampler`).
 
         ``input_ids``: a list, or an int64 tensor on the cache's device (read
         in stream order: it may still be being computed). Launches the step
@@ -80,4 +81,4 @@ class ModelRunner:
             return None
         if len(sample_rows) != hidden.shape[0]:
             hidden = hidden.index_select(0, to_device(sample_rows, torch.long, self.device))
-        return self.model.logits(hidden)
+        return self.model.logits(hidden, float32=False)

@@ -5,6 +5,13 @@ picks token ``i`` with probability ``p_i``: one batched draw for unseeded
 rows, each seeded row from its own ``torch.Generator`` (so its tokens do not
 depend on what it is batched with). Greedy rows take the argmax of the
 penalized logits. Log-probabilities are of the raw model distribution.
+
+Logits may come in float32 or in the model's 16-bit dtype: a row's argmax
+is the same in either (the widening is exact), so a greedy batch without
+penalties or log-probabilities takes it from the 16-bit logits as they
+are, and everything else computes on their float32 widening, the values
+the float32 logits would have had (a ``[N, V]`` conversion pass fewer per
+greedy step: 24 MB of traffic at Llama-3's vocabulary and 32 rows).
 """
 
 from __future__ import annotations
@@ -158,7 +165,8 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, slots: list[SampleSlot]) -> list[Sampled]:
-    """One token per slot from float32 ``logits [N, V]``; one host sync for the whole batch."""
+    """One token per slot from ``logits [N, V]`` (float32, or the model's dtype: the module docstring); one host
+    sync for the whole batch."""
     return sample_async(logits, slots).result()
 
 
@@ -172,7 +180,7 @@ def sample_async(logits: torch.Tensor, slots: list[SampleSlot]) -> PendingSample
         raw = logits.index_select(0, to_device(rows, torch.long, dev))
     x = raw
     if any(s.params.penalized or s.banned for s in slots):
-        x = raw.clone()
+        x = raw.to(torch.float32, copy=True)
         for i, s in enumerate(slots):
             if s.params.penalized:
                 _penalize(x[i], s)
@@ -185,7 +193,7 @@ def sample_async(logits: torch.Tensor, slots: list[SampleSlot]) -> PendingSample
         rows_h = to_device([[s.params.temperature or 1.0, s.params.top_k, s.params.top_p, s.params.min_p,
                              float(s.params.greedy)] for s in slots], torch.float32, dev)
         temp, top_k, top_p, min_p, greedy_d = rows_h.unbind(1)
-        probs = filter_logits(x, temp, top_k.long(), top_p, min_p)
+        probs = filter_logits(x.float(), temp, top_k.long(), top_p, min_p)
         q = torch.empty_like(probs).exponential_()
         for i, s in enumerate(slots):
             if s.generator is not None:
@@ -195,7 +203,7 @@ def sample_async(logits: torch.Tensor, slots: list[SampleSlot]) -> PendingSample
     want = [s.params.logprobs for s in slots]
     if all(w is None for w in want):
         return PendingSample(tokens, want, None)
-    logp = torch.log_softmax(raw, dim=1)
+    logp = torch.log_softmax(raw.float(), dim=1)
     chosen = logp.gather(1, tokens[:, None])[:, 0]
     n = max(w or 0 for w in want)
     top_v, top_i = logp.topk(max(n, 1), dim=1)

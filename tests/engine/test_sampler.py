@@ -127,3 +127,27 @@ def test_row_argmax_equals_torch_argmax_on_wide_rows():
         got, want = row_argmax(x), x.argmax(dim=1)
         assert torch.equal(got, want), (v, got.tolist(), want.tolist())
     assert row_argmax(torch.empty(0, 10 * ARGMAX_CHUNK)).shape == (0,)
+
+
+def test_sixteen_bit_logits_draw_what_their_float32_widening_draws():
+    """The runner hands the sampler the LM head's logits in the model dtype: every kind of draw -- greedy (argmax
+    of the 16-bit values themselves), penalties, bans, seeded temperature with top-k/top-p/min-p, log-probs --
+    gives exactly what the float32 widening of the same logits gives."""
+    gen = torch.Generator().manual_seed(11)
+    for dtype in (torch.bfloat16, torch.float16):
+        low = (torch.randn(5, 3000, generator=gen) * 4).to(dtype)
+        low[0, 17] = low[0, 2900] = low[0].max() + 1  # a tie: the first index wins in both
+        wide = low.float()
+        cases = [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=3),
+                 SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.2),
+                 SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, seed=5),
+                 SamplingParams(temperature=1.2, frequency_penalty=0.1, seed=6, logprobs=2)]
+        for params in cases:
+            def slots():
+                return [SampleSlot(r, params, None if params.seed is None else
+                                   torch.Generator().manual_seed(params.seed + r), [1, 2, 3], [17, 17, 40],
+                                   banned=(5,) if r == 4 else ()) for r in range(5)]
+            got, want = sample(low, slots()), sample(wide, slots())
+            assert [s.token for s in got] == [s.token for s in want], (dtype, params)
+            assert [(s.logprob, s.top_logprobs) for s in got] == [(s.logprob, s.top_logprobs) for s in want]
+        assert sample(low, [SampleSlot(0, SamplingParams(temperature=0), None, [], [])])[0].token == 17
