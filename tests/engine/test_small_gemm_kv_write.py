@@ -184,3 +184,53 @@ def test_graph_steps_writing_through_give_the_write_kernels_tokens(interpret, kv
     assert results[0] == results[1]
     # every graph step of the write-kernel run wrote each of the 2 layers; the write-through run did not
     assert writes[1] - writes[0] == 2 * steps[1], writes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme", ["bf16", "int4"])
+def test_gpu_write_through_at_llama_shapes(scheme):
+    """Llama-3-8B's q/k/v (32 + 2 x 8 heads of 128, k 4096) at 32 rows in bfloat16, every candidate tile and
+    split whose half column block divides half a head: the pages hold what the runtime's write kernel stores, bit
+    for bit, and q is the launch's without the write."""
+    from tests.kernels.harness import require_cuda
+
+    require_cuda()
+    from kvgen.registry import default_registry
+
+    hq, hkv, d, page, m = 32, 8, 128, 16, 32
+    write = load_op("cache_write", scheme, d, hkv, hq // hkv, page, torch.bfloat16, dev="cuda")
+    descs = residual_descriptions(d, page) if scheme == "int4" else pool_descriptions(
+        default_registry().schemes[scheme], d, page)
+    g = torch.Generator(device="cuda").manual_seed(23)
+    w = torch.randn((hq + 2 * hkv) * d, 4096, device="cuda", dtype=torch.bfloat16, generator=g) / 64
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    freqs = torch.outer(torch.arange(8192, device="cuda").float(), inv)
+    cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+    pos = torch.randint(0, 8192, (m,), device="cuda", generator=g)
+    slots = torch.randperm(40 * page, device="cuda", generator=g)[:m]
+    slots[3] = -1
+    tried = 0
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for cfg in small_gemm.candidates(w.shape[0], w.shape[1], sms):
+        if (d // 2) % (cfg.block_n // 2):
+            continue
+        pools = [{n: poison_(t) for n, t in allocate_pool(descs, 41, hkv, torch.bfloat16, "cuda").items()}
+                 for _ in range(2)]
+        ka, va = write.PLAIN_TARGET
+        kw = small_gemm.KVWrite(pools[0][ka], pools[0][va], slots, write.PAGE, write.PLAIN_ROW_STRIDE)
+        try:
+            q, _, _ = small_gemm.small_gemm(x, w, None, cfg, rope=small_gemm.Rope(hq, hkv, d, pos, cos, sin, kw))
+        except Exception as e:  # a tile whose stages exceed this GPU's shared memory
+            if "OutOfResources" not in type(e).__name__:
+                raise
+            continue
+        q_ref, k_ref, v_ref = small_gemm.small_gemm(x, w, None, cfg, rope=small_gemm.Rope(hq, hkv, d, pos, cos, sin))
+        write.launch(k_ref, v_ref, pools[1], slots)
+        torch.cuda.synchronize()
+        assert torch.equal(q, q_ref), cfg
+        for name in pools[0]:
+            assert torch.equal(pools[0][name].view(torch.uint8), pools[1][name].view(torch.uint8)), (cfg, name)
+        tried += 1
+    assert tried >= 2
