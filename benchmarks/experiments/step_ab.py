@@ -12,7 +12,8 @@ The variants (``engine``, the engine as it runs, is the baseline):
   q/k/v and gate/up normalize on the way in: 64 fewer launches a
   Llama-3-8B step).
 - ``write_kernel``: ``graphs.WRITE_THROUGH`` off, so the cache write
-  kernel runs every layer instead of the q/k/v small GEMM storing k and v
+  kernel runs every layer instead of the kernel that applies RoPE (the q/k/v
+  small GEMM's epilogue, or the RoPE kernel at batch 1-4) storing k and v
   into the pages (bf16 pages, int4's residual pages).
 - ``prefetch<KiB>`` (e.g. ``prefetch64``): the projections' PDL launches
   (the GEMV's blocks, the small GEMM's programs) ask L2 for about that many

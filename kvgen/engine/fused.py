@@ -28,6 +28,7 @@ from kvgen.runtime import env
 from kvgen.runtime.env import triton_interpret as _interpreting  # the one reading of TRITON_INTERPRET
 
 from . import pdl
+from .kv_write import KVWrite
 
 """Environment switch: ``1`` runs the plain-torch versions everywhere (debugging, comparisons)."""
 
@@ -89,7 +90,8 @@ def _rows_per_program(kernels, n_rows: int, row_elems: int, gpu_rows: int) -> in
 def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              num_q_heads: int, num_kv_heads: int, head_dim: int,
              q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-             eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             eps: float = 1e-6, write: KVWrite | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``qkv [T, (Hq + 2 Hkv) D]`` -> contiguous q ``[T, Hq, D]``, k, v ``[T, Hkv, D]``, RoPE on q and k.
 
     ``positions [T]`` int64 index ``cos``/``sin`` (float32 ``[positions, D/2]``,
@@ -98,33 +100,48 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     k before RoPE (Qwen3). q, k and v are views of one new flat buffer of
     ``T (Hq + 2 Hkv) D`` elements; ``qkv`` is only read. Rows of ``qkv`` must
     be contiguous (any row stride).
+
+    ``write`` (:class:`~.kv_write.KVWrite`): where the Triton kernel runs and the target fits, k and v go into
+    the cache pages at their tokens' slots and come back as None (q alone in the buffer); elsewhere (the torch
+    fallback) they come back as always, for the caller's write.
     """
     T = qkv.shape[0]
     Hq, Hkv, D = num_q_heads, num_kv_heads, head_dim
     if qkv.shape[1] != (Hq + 2 * Hkv) * D or qkv.stride(1) != 1 or D % 2:
         raise ValueError(f"qkv must be [T, {(Hq + 2 * Hkv) * D}] with contiguous rows and an even head_dim, "
                          f"got {list(qkv.shape)} (strides {qkv.stride()}), head_dim {D}")
+    kernels = _impl(qkv) if T else None
+    if write is not None and kernels is not None and write.fits(T, Hkv, D, qkv.dtype, qkv.device):
+        buf = torch.empty(T * Hq * D, dtype=qkv.dtype, device=qkv.device)
+        _qkv_rope_launch(kernels, qkv, buf, positions, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps, write)
+        return buf.view(T, Hq, D), None, None
     buf = torch.empty(T * (Hq + 2 * Hkv) * D, dtype=qkv.dtype, device=qkv.device)
     q = buf[:T * Hq * D].view(T, Hq, D)
     k = buf[T * Hq * D:T * (Hq + Hkv) * D].view(T, Hkv, D)
     v = buf[T * (Hq + Hkv) * D:].view(T, Hkv, D)
     if T == 0:
         return q, k, v
-    kernels = _impl(qkv)
     if kernels is None:
         _qkv_rope_torch(qkv, positions, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps, q, k, v)
         return q, k, v
+    _qkv_rope_launch(kernels, qkv, buf, positions, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps, None)
+    return q, k, v
+
+
+def _qkv_rope_launch(kernels, qkv, buf, positions, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps, write) -> None:
+    """One launch of the RoPE kernel into ``buf`` (q | k | v, or q alone with ``write``)."""
     half = D // 2
     half_pad = _pow2(half)
+    T = qkv.shape[0]
     n_rows = T * (Hq + 2 * Hkv)
     block = _rows_per_program(kernels, n_rows, half_pad, max(1, 2048 // half_pad))
     norm = q_norm is not None
+    kv = (buf, buf, positions, 0) if write is None else (write.k, write.v, write.slots, write.row_stride)
     kernels.qkv_rope_kernel[(_cdiv(n_rows, block),)](
         qkv, buf, positions, cos, sin, q_norm if norm else cos, k_norm if norm else cos,
-        n_rows, T, qkv.stride(0), float(eps),
-        HQ=Hq, HKV=Hkv, HALF=half, HALF_PAD=half_pad, BLOCK_R=block, QK_NORM=norm, num_warps=4, **_pdl(qkv),
-        **COMPILE_OPTIONS)
-    return q, k, v
+        n_rows, T, qkv.stride(0), float(eps), *kv,
+        HQ=Hq, HKV=Hkv, HALF=half, HALF_PAD=half_pad, BLOCK_R=block, QK_NORM=norm, num_warps=4,
+        KV_PAGE=0 if write is None else write.page_size, **_pdl(qkv), **COMPILE_OPTIONS)
 
 
 def _qkv_rope_torch(qkv, positions, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps, q_out, k_out, v_out) -> None:

@@ -45,15 +45,21 @@ def _pdl_start(PDL: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_rows", "n_tokens"])
 def qkv_rope_kernel(qkv_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-                    n_rows, n_tokens, stride_t, eps,
+                    n_rows, n_tokens, stride_t, eps, kv_k_ptr, kv_v_ptr, slot_ptr, kv_row_stride,
                     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                    BLOCK_R: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_R: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr = False,
+                    KV_PAGE: tl.constexpr = 0):
     """Split a fused q|k|v GEMM output into contiguous q, k, v; RMSNorm (optional) and RoPE on q and k.
 
     Rows are (token, head) pairs of the fused output ``[T, (HQ+2*HKV)*D]``
     (row r: token r // NH, head r % NH; heads q first, then k, then v).
     ``out`` is one flat buffer holding q ``[T, HQ, D]``, then k and v
     ``[T, HKV, D]``. ``cos``/``sin`` are float32 ``[positions, D/2]``.
+    KV_PAGE > 0 (write-through, :mod:`kvgen.engine.kv_write`): k and v go
+    into the cache pages at each token's slot instead (token t's head h at
+    ``((s // KV_PAGE) * HKV + h) * kv_row_stride + (s % KV_PAGE) * D`` of
+    ``kv_k_ptr``/``kv_v_ptr``, ``s = slot[t]`` int64, negative: nowhere), and
+    ``out`` holds q alone.
     """
     _pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -96,8 +102,24 @@ def qkv_rope_kernel(qkv_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                    tl.where(is_k, n_tokens * (HQ * D) + t64 * (HKV * D) + (h - HQ) * D,
                             n_tokens * ((HQ + HKV) * D) + t64 * (HKV * D) + (h - HQ - HKV) * D))
     optr = out_ptr + dst[:, None] + cols[None, :]
-    tl.store(optr, o1.to(dt), mask=mask)
-    tl.store(optr + HALF, o2.to(dt), mask=mask)
+    if KV_PAGE > 0:  # q rows as above; k and v rows into the cache pages at their tokens' slots
+        slot = tl.load(slot_ptr + t, mask=rmask, other=-1).to(tl.int64)
+        live = (slot >= 0)[:, None]
+        slot = tl.where(slot >= 0, slot, 0)
+        at = ((slot // KV_PAGE) * HKV + tl.where(is_k, h - HQ, h - HQ - HKV)) * kv_row_stride + (slot % KV_PAGE) * D
+        at = at[:, None] + cols[None, :]
+        qmask = mask & is_q[:, None]
+        kmask = mask & is_k[:, None] & live
+        vmask = mask & (h >= HQ + HKV)[:, None] & live
+        tl.store(optr, o1.to(dt), mask=qmask)
+        tl.store(optr + HALF, o2.to(dt), mask=qmask)
+        tl.store(kv_k_ptr + at, o1.to(dt), mask=kmask)
+        tl.store(kv_k_ptr + at + HALF, o2.to(dt), mask=kmask)
+        tl.store(kv_v_ptr + at, o1.to(dt), mask=vmask)
+        tl.store(kv_v_ptr + at + HALF, o2.to(dt), mask=vmask)
+    else:
+        tl.store(optr, o1.to(dt), mask=mask)
+        tl.store(optr + HALF, o2.to(dt), mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_rows"])

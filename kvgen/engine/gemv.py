@@ -47,6 +47,7 @@ from torch import nn
 from kvgen.runtime import env
 
 from . import fused, pdl, projection_store, small_gemm
+from .kv_write import KVWrite
 
 SOURCE = Path(__file__).with_name("gemv.cu")
 ABI_VERSION = 3
@@ -233,7 +234,7 @@ def gated_linear(x: Input, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 def qkv_rope_linear(x: Input, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-                    head_dim: int, write: small_gemm.KVWrite | None = None
+                    head_dim: int, write: KVWrite | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``q, k, v`` of a q|k|v projection with RoPE on q and k, as :func:`.fused.qkv_rope` returns them for
     :func:`linear`'s output (no q/k norms: Qwen3's go through those two).
@@ -243,8 +244,9 @@ def qkv_rope_linear(x: Input, weight: torch.Tensor, bias: torch.Tensor | None, p
     projection, then the RoPE kernel. The choice is the plain projection's, as for :func:`gated_linear`; a
     :class:`DeferredNorm` ``x`` is normalized on the way in there (:func:`linear`).
 
-    ``write`` (the layer's KV cache pages and the rows' slots): where that launch takes it, k and v go straight
-    into the cache and come back as None (the caller runs no cache write); elsewhere they come back as always."""
+    ``write`` (the layer's KV cache pages and the rows' slots): where that launch (or the RoPE kernel) takes it,
+    k and v go straight into the cache and come back as None (the caller runs no cache write); elsewhere they
+    come back as always."""
     rope = small_gemm.Rope(num_q_heads, num_kv_heads, head_dim, positions, cos, sin)
     got = _small_gemm_args(x, weight, bias, rope=rope)
     if got is not None and write is not None:
@@ -254,7 +256,8 @@ def qkv_rope_linear(x: Input, weight: torch.Tensor, bias: torch.Tensor | None, p
     if got is not None:
         config, rows, norm = got
         return small_gemm.launch_supported(rows, weight, bias, config, rope=rope, norm=norm)
-    return fused.qkv_rope(linear(x, weight, bias), positions, cos, sin, num_q_heads, num_kv_heads, head_dim)
+    return fused.qkv_rope(linear(x, weight, bias), positions, cos, sin, num_q_heads, num_kv_heads, head_dim,
+                          write=write)
 
 
 @dataclass(frozen=True)

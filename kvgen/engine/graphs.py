@@ -34,9 +34,11 @@ the graphs keep what won. On Hopper every kvgen kernel of a graph (the
 fused elementwise kernels, the GEMV and small GEMM, the runtime's cache
 write, page quantize and decode) launches with
 programmatic dependent launch (:mod:`.pdl`; ``KVGEN_PDL=0`` turns it off).
-Where the small GEMM runs q/k/v with RoPE and the scheme stores new tokens
-unquantized (bf16 pages; int4's residual pages), it also stores k and v
-into their slots (:data:`WRITE_THROUGH`): no cache write kernel a layer.
+Where the scheme stores new tokens unquantized (bf16 pages; int4's
+residual pages), the kernel that applies RoPE -- the q/k/v small GEMM's
+epilogue, or the RoPE kernel after the projection -- also stores k and v
+into their slots (:data:`WRITE_THROUGH`, :mod:`.kv_write`): no cache
+write kernel a layer.
 """
 
 from __future__ import annotations
@@ -48,13 +50,15 @@ import torch
 
 from kvgen.runtime.preconversion import pre_conversion_view
 
-from . import gemv, pdl, small_gemm
+from . import gemv, pdl
+from .kv_write import KVWrite
 from .model import CausalLM
 
 WRITE_THROUGH = True
-"""Whether the graphs let the q/k/v small GEMM store k and v into the cache pages itself (:func:`.gemv.
-qkv_rope_linear`'s ``write``) where the scheme keeps new tokens as they are (its cache_write module's
-``PLAIN_TARGET``), so no cache write kernel runs; False (comparisons): the write kernel every layer."""
+"""Whether the graphs let the kernel that applies RoPE to q/k/v (the small GEMM's epilogue or the RoPE kernel)
+store k and v into the cache pages itself (``write`` of :func:`.gemv.qkv_rope_linear` and :func:`.fused.qkv_rope`)
+where the scheme keeps new tokens as they are (its cache_write module's ``PLAIN_TARGET``), so no cache write
+kernel runs; False (comparisons): the write kernel every layer."""
 
 SMALL_BUCKETS = (1, 2, 4, 8)
 
@@ -184,9 +188,9 @@ class DecodeGraphs:
             return out
 
         if plain is not None:
-            def kv_write(layer: int) -> small_gemm.KVWrite:
+            def kv_write(layer: int) -> KVWrite:
                 pools = cache.pools[layer]
-                return small_gemm.KVWrite(pools[plain[0]], pools[plain[1]], slots, write.PAGE,
+                return KVWrite(pools[plain[0]], pools[plain[1]], slots, write.PAGE,
                                           write.PLAIN_ROW_STRIDE)
 
             attend.kv_write = kv_write

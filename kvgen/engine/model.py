@@ -159,15 +159,17 @@ class Attention(nn.Module):
         (:meth:`Linear.forward_residual`)."""
         T, D = positions.shape[0], self.cfg.head_dim
         heads = (self.sizes[0] // D, self.sizes[1] // D, D)
+        # where attend names the cache pages (the decode graphs), k and v may go there directly (None back)
+        target = getattr(attend, "kv_write", None)
+        write = None if target is None else target(layer)
         if self.cfg.qk_norm:
             qkv = gemv.linear(x, self.qkv_weight, self.qkv_bias)
             # one kernel: contiguous q, k, v (no copies before the cache write), q/k norms, RoPE
             q, k, v = fused.qkv_rope(qkv, positions, rotary.cos, rotary.sin, *heads, self.q_norm.weight,
-                                     self.k_norm.weight, eps=self.cfg.rms_norm_eps)
+                                     self.k_norm.weight, eps=self.cfg.rms_norm_eps, write=write)
         else:  # the same, or the projection's epilogue where the small GEMM runs it (gemv.qkv_rope_linear)
-            target = getattr(attend, "kv_write", None)
             q, k, v = gemv.qkv_rope_linear(x, self.qkv_weight, self.qkv_bias, positions, rotary.cos, rotary.sin,
-                                           *heads, write=None if target is None else target(layer))
+                                           *heads, write=write)
         out = attend(layer, q, k, v)
         return self.o_proj.forward_residual(out.reshape(T, -1).to(self.qkv_weight.dtype), residual)
 

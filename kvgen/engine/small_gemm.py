@@ -35,6 +35,7 @@ import torch
 from kvgen.runtime.env import triton_interpret
 
 from . import fused, pdl
+from .kv_write import KVWrite
 
 ROW_BLOCKS = (16, 32, 64)
 """The kernel's BLOCK_M instances: a call of m rows runs the smallest that holds them."""
@@ -111,22 +112,6 @@ def candidates(n: int, k: int, num_sms: int, rows: int | None = None,
 
 
 @dataclass(frozen=True)
-class KVWrite:
-    """Where a q|k|v launch stores k and v itself (write-through), in place of the KV cache's write kernel: the
-    cache pool tensors ``k`` and ``v`` of one layer in x's dtype, contiguous ``[pages, heads_kv, page_size,
-    head_dim]``, whose (page, head) rows are ``row_stride`` elements apart (the runtime's plain layout:
-    ``PLAIN_TARGET``, ``PAGE`` and ``PLAIN_ROW_STRIDE`` of its cache_write module), and each row of x's slot,
-    int64 ``[m]`` (``page * page_size + token``; negative: stored nowhere). :func:`supports` refuses pools of
-    another shape (a write to the wrong offsets), as the write kernel does."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    slots: torch.Tensor
-    page_size: int
-    row_stride: int
-
-
-@dataclass(frozen=True)
 class Rope:
     """A q|k|v projection's RoPE for :func:`launch_supported`: ``heads_q`` and ``heads_kv`` heads of ``head_dim``
     dims (rows of the weight: q heads, then k, then v), ``positions`` int64 ``[m]``, ``cos``/``sin`` float32
@@ -196,13 +181,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
                        or t.device != x.device for t in (rope.cos, rope.sin))
                 or rope.positions.device != x.device):
             return False
-        kw = rope.write
-        pool_shape = (rope.heads_kv, kw.page_size, rope.head_dim) if kw is not None else None
-        if kw is not None and (
-                any(t.dtype != x.dtype or not t.is_contiguous() or t.device != x.device or t.dim() != 4
-                    or tuple(t.shape[1:]) != pool_shape or t.stride(1) != kw.row_stride for t in (kw.k, kw.v))
-                or kw.slots.shape != (x.shape[0],) or kw.slots.dtype != torch.int64
-                or not kw.slots.is_contiguous() or kw.slots.device != x.device):
+        if rope.write is not None and not rope.write.fits(x.shape[0], rope.heads_kv, rope.head_dim, x.dtype,
+                                                          x.device):
             return False
     K = weight.shape[1]
     # float32 only under the interpreter (tests): on a GPU tl.dot would round its inputs to tf32

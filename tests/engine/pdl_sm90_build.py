@@ -21,7 +21,11 @@ KERNELS = (
     ("add_rms_norm_kernel", {"HAS_RES": True, "BLOCK_T": 1, "BLOCK_N": 4096}, {}, ("eps",)),
     ("silu_mul_kernel", {"BLOCK_T": 1, "BLOCK_I": 1024}, {}, ()),
     ("qkv_rope_kernel", {"HQ": 32, "HKV": 8, "HALF": 64, "HALF_PAD": 64, "BLOCK_R": 16, "QK_NORM": False},
-     {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}, ("eps",)),
+     {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64"}, ("eps",)),
+    # the same storing k and v into the cache pages (write-through, KV_PAGE: its slots are step data)
+    ("qkv_rope_kernel", {"HQ": 32, "HKV": 8, "HALF": 64, "HALF_PAD": 64, "BLOCK_R": 16, "QK_NORM": False,
+                         "KV_PAGE": 16},
+     {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64"}, ("eps",)),
 )
 
 
@@ -35,7 +39,8 @@ def main() -> None:
             c = {**consts, "PDL": pdl}
             ptrs = {n: pointers.get(n, "*bf16") for n in fn.arg_names if n.endswith("_ptr")}
             ptx = compile_for_sm90(fn, signature(fn.arg_names, c, ptrs, floats), c, 4, 1).asm["ptx"]
-            out[f"{name}/pdl={int(pdl)}"] = {"wait": ptx.find("griddepcontrol.wait"),
+            tag = f"{name}{'/kv' if consts.get('KV_PAGE') else ''}/pdl={int(pdl)}"
+            out[tag] = {"wait": ptx.find("griddepcontrol.wait"),
                                             "launch_dependents": ptx.find("griddepcontrol.launch_dependents"),
                                             "first_load": ptx.find("ld.global")}
     print(json.dumps(out))

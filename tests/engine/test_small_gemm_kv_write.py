@@ -1,4 +1,4 @@
-"""The q/k/v small GEMM storing k and v straight into the KV cache's pages (write-through, small_gemm.KVWrite).
+"""The q/k/v small GEMM storing k and v straight into the KV cache's pages (write-through, KVWrite).
 
 CPU (CI, Triton interpreter): against the runtime's own cache write kernel (the generated cache_write module,
 whose ``PLAIN_TARGET`` / ``PLAIN_ROW_STRIDE`` state the layout the epilogue writes) -- every byte of every pool
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvgen.engine import gemv, small_gemm
+from kvgen.engine.kv_write import KVWrite
 from kvgen.runtime.pools import allocate_pool, poison_
 from tests.kernels.harness import load_op, pool_descriptions, residual_descriptions
 
@@ -58,7 +59,7 @@ def test_write_through_equals_the_cache_write_kernel(interpret, scheme, dtype, D
             pools = [{n: poison_(t) for n, t in allocate_pool(descs, 7, HKV, dtype, "cpu").items()}
                      for _ in range(2)]
             ka, va = write.PLAIN_TARGET
-            kw = small_gemm.KVWrite(pools[0][ka], pools[0][va], slots, write.PAGE, write.PLAIN_ROW_STRIDE)
+            kw = KVWrite(pools[0][ka], pools[0][va], slots, write.PAGE, write.PLAIN_ROW_STRIDE)
             q, none_k, none_v = small_gemm.small_gemm(x, w, b, cfg, rope=small_gemm.Rope(HQ, HKV, D, pos, cos, sin,
                                                                                            kw))
             assert none_k is None and none_v is None
@@ -78,43 +79,59 @@ def test_write_through_refusals(interpret):
     pos = torch.zeros(8, dtype=torch.long)
     pool = torch.zeros(4, HKV, PAGE, D)
     cfg = small_gemm.Config(64, 128, 1)
-    ok = small_gemm.KVWrite(pool, pool.clone(), torch.zeros(8, dtype=torch.int64), PAGE, PAGE * D)
+    ok = KVWrite(pool, pool.clone(), torch.zeros(8, dtype=torch.int64), PAGE, PAGE * D)
     assert small_gemm.supports(x, w, None, cfg, rope=small_gemm.Rope(HQ, HKV, D, pos, cos, sin, ok))
-    for bad in (small_gemm.KVWrite(pool.half(), pool, ok.slots, PAGE, PAGE * D),  # not x's dtype
-                small_gemm.KVWrite(pool, pool, ok.slots.int(), PAGE, PAGE * D),  # int32 slots
-                small_gemm.KVWrite(pool, pool, ok.slots[:4], PAGE, PAGE * D),  # not a slot a row
-                small_gemm.KVWrite(pool.transpose(2, 3), pool, ok.slots, PAGE, PAGE * D),  # not contiguous
-                small_gemm.KVWrite(pool, pool, ok.slots, PAGE, PAGE * D - 1),  # not the pool's row stride
-                small_gemm.KVWrite(pool[:, :1], pool[:, :1], ok.slots, PAGE, PAGE * D),  # not HKV heads
-                small_gemm.KVWrite(pool.view(4, HKV, 2 * PAGE, D // 2), pool.view(4, HKV, 2 * PAGE, D // 2),
+    for bad in (KVWrite(pool.half(), pool, ok.slots, PAGE, PAGE * D),  # not x's dtype
+                KVWrite(pool, pool, ok.slots.int(), PAGE, PAGE * D),  # int32 slots
+                KVWrite(pool, pool, ok.slots[:4], PAGE, PAGE * D),  # not a slot a row
+                KVWrite(pool.transpose(2, 3), pool, ok.slots, PAGE, PAGE * D),  # not contiguous
+                KVWrite(pool, pool, ok.slots, PAGE, PAGE * D - 1),  # not the pool's row stride
+                KVWrite(pool[:, :1], pool[:, :1], ok.slots, PAGE, PAGE * D),  # not HKV heads
+                KVWrite(pool.view(4, HKV, 2 * PAGE, D // 2), pool.view(4, HKV, 2 * PAGE, D // 2),
                                    ok.slots, 2 * PAGE, PAGE * D)):  # another page size and head size
         assert not small_gemm.supports(x, w, None, cfg, rope=small_gemm.Rope(HQ, HKV, D, pos, cos, sin, bad)), bad
 
 
-def test_qkv_rope_linear_writes_through_only_on_the_small_gemm(interpret, monkeypatch):
-    """Off the small GEMM ``qkv_rope_linear`` returns k and v for the caller's write (the write target unused);
-    on it, None for both, the cache holding them."""
+def test_qkv_rope_linear_writes_through_on_either_kernel(interpret, monkeypatch):
+    """Off the small GEMM the RoPE kernel stores k and v into the pages (None back), on it the GEMM's epilogue;
+    the torch fallback (``KVGEN_FUSED_TORCH=1``) returns them for the caller's write and leaves the pages alone.
+    Both kernels store at the slots what the fallback returns; a padding slot (-1) stores nothing."""
     cos, sin = _tables()
     g = torch.Generator().manual_seed(22)
     x, w = torch.randn(8, 128, generator=g), torch.randn((HQ + 2 * HKV) * D, 128, generator=g)
     pos = torch.randint(0, 256, (8,), generator=g)
-    pool_k, pool_v = torch.zeros(4, HKV, PAGE, D), torch.zeros(4, HKV, PAGE, D)
-    slots = torch.arange(8, dtype=torch.int64) + PAGE - 3
-    target = small_gemm.KVWrite(pool_k, pool_v, slots, PAGE, PAGE * D)
-    q, k, v = gemv.qkv_rope_linear(x, w, None, pos, cos, sin, HQ, HKV, D, write=target)
-    assert k is not None and v is not None and int(pool_k.count_nonzero()) == 0
+    slots = torch.arange(8, dtype=torch.int64) + PAGE - 3  # across a page boundary
+    slots[5] = -1
+
+    def target():
+        return KVWrite(torch.zeros(4, HKV, PAGE, D), torch.zeros(4, HKV, PAGE, D), slots, PAGE, PAGE * D)
+
+    monkeypatch.setenv("KVGEN_FUSED_TORCH", "1")
+    fallback = target()
+    q, k, v = gemv.qkv_rope_linear(x, w, None, pos, cos, sin, HQ, HKV, D, write=fallback)
+    assert k is not None and v is not None
+    assert int(fallback.k.count_nonzero()) == int(fallback.v.count_nonzero()) == 0
+    monkeypatch.delenv("KVGEN_FUSED_TORCH")
+    want = target()
+    for pool, ref in ((want.k, k), (want.v, v)):
+        flat = pool.view(-1, PAGE, D)  # rows page * HKV + head
+        for i, s in enumerate(slots.tolist()):
+            if s >= 0:
+                flat[(s // PAGE) * HKV:(s // PAGE + 1) * HKV, s % PAGE] = ref[i]
+    on_rope_kernel = target()
+    q1, k1, v1 = gemv.qkv_rope_linear(x, w, None, pos, cos, sin, HQ, HKV, D, write=on_rope_kernel)
     cfg = small_gemm.Config(64, 128, 1)
     monkeypatch.setattr(gemv, "_chosen", lambda x_, w_, b_: cfg)
     launch = small_gemm.launch_supported
     monkeypatch.setattr(small_gemm, "launch_supported", lambda *a, **kw: launch(*a, interpret=True, **kw))
-    q2, k2, v2 = gemv.qkv_rope_linear(x, w, None, pos, cos, sin, HQ, HKV, D, write=target)
-    assert k2 is None and v2 is None
+    on_gemm = target()
+    q2, k2, v2 = gemv.qkv_rope_linear(x, w, None, pos, cos, sin, HQ, HKV, D, write=on_gemm)
+    assert k1 is v1 is k2 is v2 is None
+    torch.testing.assert_close(q1, q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(q2, q, rtol=1e-5, atol=1e-5)
-    for t, (pool, ref) in enumerate(((pool_k, k), (pool_v, v))):
-        flat = pool.view(-1, PAGE, D)  # rows page * HKV + head
-        for i, s in enumerate(slots.tolist()):
-            for h in range(HKV):
-                torch.testing.assert_close(flat[(s // PAGE) * HKV + h, s % PAGE], ref[i, h], rtol=1e-5, atol=1e-5)
+    for got in (on_rope_kernel, on_gemm):
+        torch.testing.assert_close(got.k, want.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.v, want.v, rtol=1e-5, atol=1e-5)
 
 
 def _tiny_llama(folder):
@@ -142,19 +159,22 @@ def _tiny_llama(folder):
     return folder
 
 
-@pytest.mark.parametrize("kv", ["fp32", "int4"])
-def test_graph_steps_writing_through_give_the_write_kernels_tokens(interpret, kv, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kv,on_small_gemm", [("fp32", True), ("int4", True), ("int4", False)])
+def test_graph_steps_writing_through_give_the_write_kernels_tokens(interpret, kv, on_small_gemm, tmp_path,
+                                                                   monkeypatch):
     """The decode graphs' steps (run eagerly on the CPU: static buffers, padding rows, int4's in-graph page
-    conversions) with the q/k/v small GEMM storing k and v into the pages, against the same steps with the
-    cache write kernel: the same greedy tokens, and no write kernel in the graph steps."""
+    conversions) with the q/k/v small GEMM's epilogue, or the RoPE kernel after the projection, storing k and v
+    into the pages, against the same steps with the cache write kernel: the same greedy tokens, and no write
+    kernel in the graph steps."""
     from kvgen.engine import SamplingParams, graphs
     from kvgen.engine.llm import LLM
 
     folder = _tiny_llama(tmp_path)
-    cfg = small_gemm.Config(64, 64, 1)  # few programs: the interpreter's time (the kernel tests cover the splits)
-    monkeypatch.setattr(gemv, "_chosen", lambda x, w, b: cfg if small_gemm.supports(x, w, b, cfg) else None)
-    launch = small_gemm.launch_supported
-    monkeypatch.setattr(small_gemm, "launch_supported", lambda *a, **kw: launch(*a, interpret=True, **kw))
+    if on_small_gemm:
+        cfg = small_gemm.Config(64, 64, 1)  # few programs: the interpreter's time (kernel tests cover the splits)
+        monkeypatch.setattr(gemv, "_chosen", lambda x, w, b: cfg if small_gemm.supports(x, w, b, cfg) else None)
+        launch = small_gemm.launch_supported
+        monkeypatch.setattr(small_gemm, "launch_supported", lambda *a, **kw: launch(*a, interpret=True, **kw))
     # 6 sequences: the graphs' bucket of 8 rows, the small GEMM's (5 to 64)
     prompts = ["Once upon a time there was a", "The sun", "Lily and Tom went to the", "One day", "Tim had a big",
                "She saw a bird and"]
@@ -219,7 +239,7 @@ def test_gpu_write_through_at_llama_shapes(scheme):
         pools = [{n: poison_(t) for n, t in allocate_pool(descs, 41, hkv, torch.bfloat16, "cuda").items()}
                  for _ in range(2)]
         ka, va = write.PLAIN_TARGET
-        kw = small_gemm.KVWrite(pools[0][ka], pools[0][va], slots, write.PAGE, write.PLAIN_ROW_STRIDE)
+        kw = KVWrite(pools[0][ka], pools[0][va], slots, write.PAGE, write.PLAIN_ROW_STRIDE)
         try:
             q, _, _ = small_gemm.small_gemm(x, w, None, cfg, rope=small_gemm.Rope(hq, hkv, d, pos, cos, sin, kw))
         except Exception as e:  # a tile whose stages exceed this GPU's shared memory
