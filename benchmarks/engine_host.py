@@ -70,7 +70,7 @@ class StubModel:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         return torch.zeros(input_ids.shape[0], self.hidden, device=self.device)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         return self.table[:hidden.shape[0]]
 
 

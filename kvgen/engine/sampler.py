@@ -178,9 +178,18 @@ def sample_async(logits: torch.Tensor, slots: list[SampleSlot]) -> PendingSample
         raw = logits  # one slot per row, in order (every decode step without forks): nothing to gather
     else:
         raw = logits.index_select(0, to_device(rows, torch.long, dev))
+    wide = raw if raw.dtype == torch.float32 else None
+
+    def widened() -> torch.Tensor:
+        """raw as float32, converted at most once (the penalties copy it; filtering and log-probs read it)."""
+        nonlocal wide
+        if wide is None:
+            wide = raw.float()
+        return wide
+
     x = raw
     if any(s.params.penalized or s.banned for s in slots):
-        x = raw.to(torch.float32, copy=True)
+        x = widened().clone()
         for i, s in enumerate(slots):
             if s.params.penalized:
                 _penalize(x[i], s)
@@ -193,7 +202,7 @@ def sample_async(logits: torch.Tensor, slots: list[SampleSlot]) -> PendingSample
         rows_h = to_device([[s.params.temperature or 1.0, s.params.top_k, s.params.top_p, s.params.min_p,
                              float(s.params.greedy)] for s in slots], torch.float32, dev)
         temp, top_k, top_p, min_p, greedy_d = rows_h.unbind(1)
-        probs = filter_logits(x.float(), temp, top_k.long(), top_p, min_p)
+        probs = filter_logits(x if x.dtype == torch.float32 else widened(), temp, top_k.long(), top_p, min_p)
         q = torch.empty_like(probs).exponential_()
         for i, s in enumerate(slots):
             if s.generator is not None:
@@ -203,7 +212,7 @@ def sample_async(logits: torch.Tensor, slots: list[SampleSlot]) -> PendingSample
     want = [s.params.logprobs for s in slots]
     if all(w is None for w in want):
         return PendingSample(tokens, want, None)
-    logp = torch.log_softmax(raw.float(), dim=1)
+    logp = torch.log_softmax(widened(), dim=1)
     chosen = logp.gather(1, tokens[:, None])[:, 0]
     n = max(w or 0 for w in want)
     top_v, top_i = logp.topk(max(n, 1), dim=1)

@@ -151,3 +151,26 @@ def test_sixteen_bit_logits_draw_what_their_float32_widening_draws():
             assert [s.token for s in got] == [s.token for s in want], (dtype, params)
             assert [(s.logprob, s.top_logprobs) for s in got] == [(s.logprob, s.top_logprobs) for s in want]
         assert sample(low, [SampleSlot(0, SamplingParams(temperature=0), None, [], [])])[0].token == 17
+        # forked rows (gathered out of order)
+        params = SamplingParams(temperature=0.7, seed=3, logprobs=1)
+        forks = [(4, 0), (0, 1), (2, 2)]
+        got = sample(low, [SampleSlot(r, params, torch.Generator().manual_seed(i), [], []) for r, i in forks])
+        want = sample(wide, [SampleSlot(r, params, torch.Generator().manual_seed(i), [], []) for r, i in forks])
+        assert [(s.token, s.logprob) for s in got] == [(s.token, s.logprob) for s in want]
+
+
+def test_penalties_and_filtering_compute_in_float32_on_sixteen_bit_logits(monkeypatch):
+    """A repetition penalty that bfloat16 would round into a tie: 3.0 / 1.3 = 2.3077 is below 2.3125 in float32
+    (token 1 wins) and rounds to 2.3125 in bfloat16 (a tie, which token 0 would win). And the filtering of a
+    sampled batch gets float32 logits."""
+    from kvgen.engine import sampler
+
+    x = torch.tensor([[3.0, 2.3125, -1.0]], dtype=torch.bfloat16)
+    rep = SamplingParams(temperature=0, repetition_penalty=1.3)
+    assert sample(x, [SampleSlot(0, rep, None, [], [0])])[0].token == 1
+    seen = []
+    real = sampler.filter_logits
+    monkeypatch.setattr(sampler, "filter_logits", lambda x_, *a: seen.append(x_.dtype) or real(x_, *a))
+    sample(x, [SampleSlot(0, SamplingParams(temperature=1.0), None, [], [])])
+    sample(x, [SampleSlot(0, SamplingParams(temperature=1.0, presence_penalty=0.5), None, [], [1])])
+    assert seen == [torch.float32, torch.float32]

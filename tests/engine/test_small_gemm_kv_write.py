@@ -73,6 +73,43 @@ def test_write_through_equals_the_cache_write_kernel(interpret, scheme, dtype, D
             assert not torch.isnan(written[slots[0] // PAGE * HKV, slots[0] % PAGE]).any()
 
 
+@pytest.mark.parametrize("scheme,dtype,D,PAGE,qk_norm", [("fp16", torch.float16, 80, 16, False),
+                                                          ("int4", torch.float16, 80, 8, True),
+                                                          ("fp32", torch.float32, 64, 16, True)])
+def test_rope_kernel_write_through_equals_the_cache_write_kernel(interpret, scheme, dtype, D, PAGE,  # noqa: N803
+                                                                 qk_norm):
+    """The RoPE kernel (the path after the projection; Qwen3's q/k norms) storing k and v into the pages, against
+    the projection's rope kernel then the write kernel: the same bytes on poisoned pools, q the same. head_dim 80:
+    the kernel's half row is padded to 64 lanes for 40 dims (the slots' offsets must use the real width)."""
+    from kvgen.engine import fused
+    from kvgen.registry import default_registry
+
+    write = load_op("cache_write", scheme, D, HKV, HQ // HKV, PAGE, dtype, dev="cpu")
+    descs = residual_descriptions(D, PAGE) if scheme == "int4" else pool_descriptions(
+        default_registry().schemes[scheme], D, PAGE)
+    g = torch.Generator().manual_seed(24)
+    T = 11
+    qkv = torch.randn(T, (HQ + 2 * HKV) * D, generator=g).to(dtype)
+    pos = torch.randint(0, 256, (T,), generator=g)
+    cos, sin = _tables(D)
+    norms = ((torch.rand(D, generator=g) + 0.5).to(dtype), (torch.rand(D, generator=g) + 0.5).to(dtype)) \
+        if qk_norm else (None, None)
+    perm = torch.randperm(5 * PAGE, generator=g)
+    edge = torch.tensor([PAGE - 1, PAGE])
+    slots = torch.cat([edge, perm[(perm != PAGE - 1) & (perm != PAGE)]])[:T].to(torch.int64)
+    slots[4] = -1
+    pools = [{n: poison_(t) for n, t in allocate_pool(descs, 6, HKV, dtype, "cpu").items()} for _ in range(2)]
+    ka, va = write.PLAIN_TARGET
+    kw = KVWrite(pools[0][ka], pools[0][va], slots, write.PAGE, write.PLAIN_ROW_STRIDE)
+    q, k, v = fused.qkv_rope(qkv, pos, cos, sin, HQ, HKV, D, *norms, eps=1e-6, write=kw)
+    assert k is None and v is None
+    q_ref, k_ref, v_ref = fused.qkv_rope(qkv, pos, cos, sin, HQ, HKV, D, *norms, eps=1e-6)
+    write.launch(k_ref, v_ref, pools[1], slots)
+    assert torch.equal(q, q_ref)
+    for name in pools[0]:
+        assert torch.equal(pools[0][name].view(torch.uint8), pools[1][name].view(torch.uint8)), name
+
+
 def test_write_through_refusals(interpret):
     cos, sin = _tables()
     x, w = torch.randn(8, 128), torch.randn((HQ + 2 * HKV) * D, 128)
