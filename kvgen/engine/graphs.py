@@ -190,8 +190,7 @@ class DecodeGraphs:
         if plain is not None:
             def kv_write(layer: int) -> KVWrite:
                 pools = cache.pools[layer]
-                return KVWrite(pools[plain[0]], pools[plain[1]], slots, write.PAGE,
-                                          write.PLAIN_ROW_STRIDE)
+                return KVWrite(pools[plain[0]], pools[plain[1]], slots, write.PAGE, write.PLAIN_ROW_STRIDE)
 
             attend.kv_write = kv_write
         return attend

@@ -28,8 +28,9 @@ flat tokens; ``attend(layer, q, k, v)`` (``q [T, Hq, D]``, ``k``/``v``
 runtime's prefill or decode op there, or, inside a CUDA graph, the kernels
 on static buffers. An ``attend`` with a ``kv_write(layer)`` attribute (the
 graphs') names the layer's cache pages and slots
-(:class:`.small_gemm.KVWrite`): where the q/k/v small GEMM stores k and v
-there itself, ``attend`` gets None for both.
+(:class:`.kv_write.KVWrite`): where the kernel applying RoPE (the q/k/v
+small GEMM's epilogue or the RoPE kernel) stores k and v there itself,
+``attend`` gets None for both.
 
 Tensor parallelism (``shard=`` a :class:`~kvgen.engine.shard.TPShard`):
 the layers hold the rank's rows of q/k/v and gate/up and its columns of o
