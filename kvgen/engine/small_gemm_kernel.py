@@ -22,7 +22,8 @@ def small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m,
                       pos_ptr, cos_ptr, sin_ptr, stats_ptr, norm_w_ptr, n_stats, eps, kv_k_ptr, kv_v_ptr, slot_ptr,
                       kv_row_stride, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False,
-                      GATED: tl.constexpr = False, ROPE_HQ: tl.constexpr = 0, ROPE_HKV: tl.constexpr = 0, ROPE_HALF: tl.constexpr = 0,
+                      GATED: tl.constexpr = False, ROPE_HQ: tl.constexpr = 0, ROPE_HKV: tl.constexpr = 0,
+                      ROPE_HALF: tl.constexpr = 0,
                       RESIDUAL: tl.constexpr = False, NORM: tl.constexpr = False, STATS_PAD: tl.constexpr = 1,
                       PREFETCH: tl.constexpr = 0, KV_PAGE: tl.constexpr = 0):
     """``out[i, j] = sum_k x[i, k] w[j, k] (+ bias[j])`` for ``i < m <= BLOCK_M``: program (pid_n, pid_k) owns
