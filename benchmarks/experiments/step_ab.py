@@ -24,8 +24,11 @@ Per scheme and shape one engine (its projections chosen once, before any
 variant); its decode graphs are captured again for each variant in turn,
 ``rounds`` times, alternating, because the context grows with every
 measurement. A record: the variant, the round, the best of two timed runs of
-``steps`` steps (ms a step) and the context then. Compare neighbours, or fit
-the drift from one variant's rounds.
+``steps`` steps (ms a step) and the context then. The summary (printed, and
+under ``summary`` in the JSON) fits ``engine``'s ms against the context of
+its rounds (a line; flat with one round) and gives each other variant's ms
+above that line at its own context, per round and on average: negative
+means the variant is faster than the engine.
 """
 
 from __future__ import annotations
@@ -111,6 +114,28 @@ def measure(kv: str, B: int, L: int, variants: list[str], rounds: int, steps: in
     return records
 
 
+def summarize(records: list[dict]) -> list[dict]:
+    """Per (kv, B, context) and variant other than ``engine``: its ms minus ``engine``'s at the same context, from
+    a least-squares line through ``engine``'s (context_now, ms) records (its mean when they share one context);
+    ``delta_ms`` per round in round order and ``mean_ms``. Groups without ``engine`` records are left out."""
+    out = []
+    for key in dict.fromkeys((r["kv"], r["B"], r["context"]) for r in records):
+        group = [r for r in records if (r["kv"], r["B"], r["context"]) == key]
+        base = [(r["context_now"], r["ms"]) for r in group if r["variant"] == "engine"]
+        if not base:
+            continue
+        mx = sum(c for c, _ in base) / len(base)
+        my = sum(m for _, m in base) / len(base)
+        var = sum((c - mx) ** 2 for c, _ in base)
+        slope = sum((c - mx) * (m - my) for c, m in base) / var if var else 0.0
+        for name in dict.fromkeys(r["variant"] for r in group if r["variant"] != "engine"):
+            rows = sorted((r for r in group if r["variant"] == name), key=lambda r: r["round"])
+            deltas = [r["ms"] - (my + slope * (r["context_now"] - mx)) for r in rows]
+            out.append({"kv": key[0], "B": key[1], "context": key[2], "variant": name, "delta_ms": deltas,
+                        "mean_ms": sum(deltas) / len(deltas), "engine_ms_per_token": slope})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv", default="int4,bf16")
@@ -130,8 +155,12 @@ def main(argv=None) -> int:
     shapes = [parse_shape(s) for s in a.shapes.split(",")]
     records = [r for B, L in shapes for kv in a.kv.split(",")
                for r in measure(kv, B, L, variants, a.rounds, a.steps)]
+    summary = summarize(records)
+    for s in summary:
+        log(f"{s['kv']} B={s['B']} L={s['context']} {s['variant']}: {s['mean_ms']:+.4f} ms a step against engine "
+            f"(rounds {', '.join(f'{d:+.4f}' for d in s['delta_ms'])})")
     write_atomic(a.out, json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                    "records": records}, indent=1) + "\n")
+                                    "records": records, "summary": summary}, indent=1) + "\n")
     return 0
 
 
