@@ -104,8 +104,9 @@ def qkv_rope_kernel(qkv_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
     optr = out_ptr + dst[:, None] + cols[None, :]
     if KV_PAGE > 0:  # q rows as above; k and v rows into the cache pages at their tokens' slots
         slot = tl.load(slot_ptr + t, mask=rmask, other=-1).to(tl.int64)
-        live = (slot >= 0)[:, None]
-        slot = tl.where(slot >= 0, slot, 0)
+        live = slot >= 0
+        slot = tl.where(live, slot, 0)
+        live = live[:, None]
         at = ((slot // KV_PAGE) * HKV + tl.where(is_k, h - HQ, h - HQ - HKV)) * kv_row_stride + (slot % KV_PAGE) * D
         at = at[:, None] + cols[None, :]
         qmask = mask & is_q[:, None]

@@ -247,12 +247,11 @@ def qkv_rope_linear(x: Input, weight: torch.Tensor, bias: torch.Tensor | None, p
     ``write`` (the layer's KV cache pages and the rows' slots): where that launch (or the RoPE kernel) takes it,
     k and v go straight into the cache and come back as None (the caller runs no cache write); elsewhere they
     come back as always."""
-    rope = small_gemm.Rope(num_q_heads, num_kv_heads, head_dim, positions, cos, sin)
+    rows = x.hidden if isinstance(x, DeferredNorm) else x
+    if write is not None and not write.fits(rows.shape[0], num_kv_heads, head_dim, rows.dtype, rows.device):
+        write = None  # a target neither kernel takes: k and v come back for the caller's write
+    rope = small_gemm.Rope(num_q_heads, num_kv_heads, head_dim, positions, cos, sin, write)
     got = _small_gemm_args(x, weight, bias, rope=rope)
-    if got is not None and write is not None:
-        written = small_gemm.Rope(num_q_heads, num_kv_heads, head_dim, positions, cos, sin, write)
-        if small_gemm.supports(got[1], weight, bias, got[0], rope=written, norm=got[2]):
-            rope = written
     if got is not None:
         config, rows, norm = got
         return small_gemm.launch_supported(rows, weight, bias, config, rope=rope, norm=norm)

@@ -310,9 +310,9 @@ def launch_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         trig.update(NORM=True, STATS_PAD=fused._pow2(norm.stats.shape[0]))
     if residual is not None:
         trig.update(RESIDUAL=True)
-    kv = (out, out, out, 0) if rope is None or rope.write is None else (
-        rope.write.k, rope.write.v, rope.write.slots, rope.write.row_stride)
+    kv = (out, out, out, 0)
     if rope is not None and rope.write is not None:
+        kv = (rope.write.k, rope.write.v, rope.write.slots, rope.write.row_stride)
         trig.update(KV_PAGE=rope.write.page_size)
     stats_arg = norm.stats if norm is not None else (stats if stats is not None else out)
     _kernel(interpret)[(n_blocks, split)](
