@@ -71,7 +71,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -83,8 +82,10 @@ from pathlib import Path
 from kvgen.atomic import write_atomic
 from kvgen.engine.config import DEFAULT_ENGINE_BACKEND  # the backend the engines here are asked for (recorded)
 
+from benchmarks.serve_load_clients import CLIENTS_PER_PROCESS, MODEL
+from benchmarks.serve_load_report import plot, plot_main, table
+
 CONCURRENCY = (1, 16, 64, 256)
-MODEL = "llama-3-8b-random"
 TINY = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
             rope_theta=10000.0, tie_word_embeddings=True, torch_dtype="float32")
@@ -140,94 +141,6 @@ class StandinRunner:
         if not sample_rows:
             return None
         return self.table.index_select(0, torch.tensor([input_ids[r] for r in sample_rows]))
-
-
-# -- the client processes ------------------------------------------------------------------------------------------
-CLIENTS_PER_PROCESS = 64
-"""Streaming clients one load-generator process drives at most: one Python process parsing the SSE streams of
-256 clients became the bottleneck (the served path then measured the load generator, not the server)."""
-
-
-async def _client_run(url: str, reqs: list, clients: int) -> dict:
-    """Open ``clients`` connections, print ``ready``, read the start instant from stdin (``time.monotonic``, one
-    clock for every process), and run ``reqs`` with ``clients`` workers from then.
-
-    Returns ``{"t0", "t1", "stats": [[ttft_s, tpot_s or None, tokens], ...]}``.
-    """
-    import httpx
-
-    queue = list(reversed(reqs))
-    stats: list[tuple[float, float | None, int]] = []
-    failures: list[str] = []
-
-    async def one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> None:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        t0 = time.perf_counter()
-        first = last = None
-        tokens = 0
-        async with http.stream("POST", url + "/v1/completions", json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                if '"choices":[]' in line.replace(" ", ""):  # the usage chunk: only this one is parsed
-                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-                else:  # a chunk with tokens (parsing each would make the client, not the server, the bottleneck)
-                    last = time.perf_counter()
-                    first = first or last
-        if first is None or tokens < 1:
-            raise RuntimeError(f"a request got no tokens (usage {tokens})")
-        stats.append((first - t0, (last - first) / (tokens - 1) if tokens > 1 else None, tokens))
-
-    async def worker(http: httpx.AsyncClient) -> None:
-        while queue:
-            prompt, n = queue.pop()
-            try:
-                await one(http, prompt, n)
-            except Exception as e:  # noqa: BLE001 -- counted and reported, as serving benchmarks do
-                failures.append(f"{type(e).__name__}: {e}"[:200])
-
-    async def connect(http: httpx.AsyncClient) -> None:
-        for attempt in range(3):  # set-up only: a refused or reset connect here is retried, never timed
-            try:
-                (await http.get(url + "/health", timeout=30.0)).raise_for_status()
-                return
-            except httpx.HTTPError as e:
-                error = e
-                await asyncio.sleep(0.2 * (attempt + 1))
-        raise RuntimeError(f"could not connect before the start: {type(error).__name__}: {error}")
-
-    def user() -> httpx.AsyncClient:
-        # One client (one connection) per simulated user, as independent users have: with one shared pool of C
-        # connections httpcore's bookkeeping costs O(C) per request event, and at 64 clients the load generator
-        # itself delayed the first requests by up to 0.5 s (measured as the server's time to first token).
-        # TCP_NODELAY: httpx writes a request's headers and body separately; with Nagle on, the body waits for the
-        # server's delayed ACK (~40 ms on Linux), which would be counted as the server's time to first token.
-        transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
-                                             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(600.0))
-
-    users = [user() for _ in range(clients)]
-    try:
-        # Connect before the start: a burst of hundreds of connects at the timed start measured the kernel's
-        # accept queue, not the server.
-        await asyncio.gather(*(connect(http) for http in users))
-        print("ready", flush=True)
-        start_at = float(await asyncio.to_thread(sys.stdin.readline))
-        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
-        t0 = time.monotonic()
-        await asyncio.gather(*(worker(http) for http in users))
-        t1 = time.monotonic()
-    finally:
-        await asyncio.gather(*(http.aclose() for http in users), return_exceptions=True)
-    return {"t0": t0, "t1": t1, "stats": stats, "failures": failures}
-
-
-def client_main(args: argparse.Namespace) -> int:
-    reqs = json.loads(Path(args.workload).read_text())
-    print(json.dumps(asyncio.run(_client_run(args.url, reqs, int(args.concurrency)))))
-    return 0
 
 
 # -- the engine side (in the engine process, or on the server's engine thread) -------------------------------------
@@ -359,7 +272,7 @@ def drive(url: str, reqs: list, clients: int) -> dict:
             files.append(f.name)
             # stderr to a file, read at the end: a pipe nobody drains could stall a chatty client mid-run
             errs.append(tempfile.TemporaryFile("w+"))
-            cmd = [sys.executable, "-m", "benchmarks.serve_load", "--client", "--url", url, "--workload", f.name,
+            cmd = [sys.executable, "-m", "benchmarks.serve_load_clients", "--url", url, "--workload", f.name,
                    "--concurrency", str(clients // procs + (i < clients % procs))]
             running.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errs[-1],
                                             text=True, cwd=Path(__file__).resolve().parents[1]))
@@ -503,12 +416,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", nargs="+", metavar="JSON",
                     help="no run: print the table of these result files and plot it to --png")
     ap.add_argument("--png", default="benchmarks/results/serve_load.png", help="where --plot writes (and a run)")
-    ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--url", help=argparse.SUPPRESS)
-    ap.add_argument("--workload", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.client:
-        return client_main(args)
     if args.plot:
         return plot_main(args.plot, args.png)
     cpu = args.smoke or args.standin
@@ -598,77 +506,6 @@ def main(argv=None) -> int:
     if records and plot(records, Path(args.png)):
         log(f"wrote {args.png}")
     return 0
-
-
-def plot(records: list[dict], path: Path) -> bool:
-    """Tokens/s (offline and served) and the HTTP overhead against clients, one line per KV scheme, as a PNG.
-
-    False (nothing written) without matplotlib (the ``bench`` extra).
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    kvs = list(dict.fromkeys(r["kv"] for r in records))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for i, kv in enumerate(kvs):
-        color = f"C{i}"
-        for kind, style in (("offline", "--"), ("served", "-")):
-            rs = sorted((r for r in records if r["kv"] == kv and r["kind"] == kind), key=lambda r: r["clients"])
-            left.plot([r["clients"] for r in rs], [r["tokens_per_s"] for r in rs], style, marker="o", color=color,
-                      label=f"{kv} {kind}")
-        rs = sorted((r for r in records if r["kv"] == kv and r["kind"] == "served"), key=lambda r: r["clients"])
-        right.plot([r["clients"] for r in rs], [100 * r["http_overhead"] for r in rs], marker="o", color=color,
-                   label=kv)
-    right.axhline(10, color="k", lw=0.8, ls=":", label="goal at 64 clients")
-    for ax, ylabel in ((left, "output tokens / s"), (right, "HTTP overhead, % of offline tokens/s")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent streaming clients")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    left.set_yscale("log")
-    fig.suptitle("kvgen serve vs the same engine offline (best of each path's runs)", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def plot_main(files: list[str], png: str) -> int:
-    """``--plot``: the table and the PNG of the records of one or more result files (later files win a tie)."""
-    merged: dict[tuple, dict] = {}
-    for name in files:
-        for r in json.loads(Path(name).read_text())["records"]:
-            merged[(r["kv"], r["clients"], r["kind"])] = r
-    records = list(merged.values())
-    print(table(records))
-    if not plot(records, Path(png)):
-        log("no plot: matplotlib is missing (pip install 'kvgen[bench]')")
-        return 1
-    log(f"wrote {png}")
-    return 0
-
-
-def table(records: list[dict]) -> str:
-    rows = [f"{'kv':>5} {'C':>4} {'path':>8} {'req/s':>8} {'tok/s':>9} {'TTFT p50/p99 ms':>17} "
-            f"{'TPOT p50/p99 ms':>17} {'overhead':>8}"]
-    for r in records:
-        over = f"{100 * r['http_overhead']:7.1f}%" if "http_overhead" in r else ""
-        if "http_overhead_median" in r:
-            over += f" (median {100 * r['http_overhead_median']:.1f}%)"
-        if "http_overhead_paired" in r:
-            over += f" (paired {100 * r['http_overhead_paired']:.1f}%)"
-        if r.get("failed"):
-            over += f" FAILED {r['failed']}"
-        rows.append(f"{r['kv']:>5} {r['clients']:>4} {r['kind']:>8} {r['requests_per_s']:8.2f} {r['tokens_per_s']:9.0f}"
-                    f" {r['ttft_p50_ms'] or 0:8.1f}/{r['ttft_p99_ms'] or 0:8.1f} "
-                    f"{r['tpot_p50_ms'] or 0:8.1f}/{r['tpot_p99_ms'] or 0:8.1f} {over:>8}")
-    return "\n".join(rows)
 
 
 if __name__ == "__main__":
