@@ -31,11 +31,11 @@ def test_the_drift_of_engine_rounds_is_taken_out():
 
 
 def test_one_round_compares_with_the_engine_mean():
-    out = summarize([_rec("bf16", "engine", 0, 2100, 6.0), _rec("bf16", "norm_kernel", 0, 2152, 6.1)])
+    out = summarize([_rec("bf16", "engine", 0, 2100, 6.0), _rec("bf16", "norm_fused", 0, 2152, 6.1)])
     assert out[0]["mean_ms"] == pytest.approx(0.1) and out[0]["engine_ms_per_token"] == 0.0
 
 
 def test_unknown_variants_are_refused_before_any_engine():
     with pytest.raises(ValueError, match="unknown variant"):
-        with variant("norm_fused"):
+        with variant("norm_off"):
             pass

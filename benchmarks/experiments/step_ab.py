@@ -1,16 +1,16 @@
 """Experiment: what does each of the decode step's unmeasured changes buy? Same-process A/B of engine steps (GPU).
 
     python -m benchmarks.experiments.step_ab [--kv int4,bf16] [--shapes 32x2048] [--rounds 3]
-        [--variants engine,norm_kernel,write_kernel,prefetch64] [--steps 24] [--out step_ab.json]
+        [--variants engine,norm_fused,write_kernel,prefetch64] [--steps 24] [--out step_ab.json]
 
 The variants (``engine``, the engine as it runs, is the baseline):
 
-- ``norm_kernel``: ``gemv.residual_linear`` declines everywhere, so the
-  residual add + RMSNorm runs as its own kernel between the small GEMMs, as
-  before 656a020. Against ``engine`` it measures the norm fused into the
-  small GEMMs (o and down add into the residual stream in their epilogue,
-  q/k/v and gate/up normalize on the way in: 64 fewer launches a
-  Llama-3-8B step).
+- ``norm_fused``: ``gemv.FUSED_NORM`` on, so the residual add + RMSNorm
+  runs in the small GEMMs (o and down add into the residual stream in their
+  epilogue, q/k/v and gate/up normalize on the way in: 64 fewer launches a
+  Llama-3-8B step) instead of as its own kernel between them. Off by default
+  since it measured 0.12-0.16 ms a step slower (int4, B=32 at 2K, H200,
+  2026-12-05, as the variant ``norm_kernel`` against the fused default then).
 - ``write_kernel``: ``graphs.WRITE_THROUGH`` off, so the cache write
   kernel runs every layer instead of the kernel that applies RoPE (the q/k/v
   small GEMM's epilogue, or the RoPE kernel at batch 1-4) storing k and v
@@ -48,10 +48,6 @@ from kvgen.atomic import write_atomic
 WARMUP = 4
 
 
-def _declined(*args, **kwargs):
-    return None
-
-
 @contextlib.contextmanager
 def variant(name: str):
     """Apply one variant (the module docstring's) for the ``with`` block; raise ValueError for an unknown name."""
@@ -59,13 +55,12 @@ def variant(name: str):
 
     if name == "engine":
         yield
-    elif name == "norm_kernel":
-        fused = gemv.residual_linear
-        gemv.residual_linear = _declined
+    elif name == "norm_fused":
+        was, gemv.FUSED_NORM = gemv.FUSED_NORM, True
         try:
             yield
         finally:
-            gemv.residual_linear = fused
+            gemv.FUSED_NORM = was
     elif name == "write_kernel":
         from kvgen.engine import graphs
 
@@ -85,7 +80,7 @@ def variant(name: str):
             else:
                 os.environ[pdl.PREFETCH_SWITCH] = old
     else:
-        raise ValueError(f"unknown variant {name!r}: engine, norm_kernel, write_kernel or prefetch<KiB>")
+        raise ValueError(f"unknown variant {name!r}: engine, norm_fused, write_kernel or prefetch<KiB>")
 
 
 def measure(kv: str, B: int, L: int, variants: list[str], rounds: int, steps: int) -> list[dict]:
@@ -140,7 +135,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv", default="int4,bf16")
     ap.add_argument("--shapes", default="32x2048")
-    ap.add_argument("--variants", default="engine,norm_kernel")
+    ap.add_argument("--variants", default="engine,norm_fused")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--out", default="step_ab.json")

@@ -182,12 +182,23 @@ def _small_gemm_args(x: Input, weight: torch.Tensor, bias: torch.Tensor | None, 
     return config, rows, norm
 
 
+FUSED_NORM = False
+"""Whether :func:`residual_linear` may run: the residual add in the o/down small GEMM's epilogue and the RMSNorm in
+the next projection's prologue. Off: measured on the H200 (2026-12-05, ``benchmarks.experiments.step_ab``, int4 KV,
+Llama-3-8B, B=32 at 2K) the fused path cost 0.12-0.16 ms a step against the separate residual add + RMSNorm kernel
+(each q/k/v and gate/up program re-reads its rows' whole hidden state to normalize it), and the engine step went
+from 5.51 to 5.37 ms (1.223x to 1.194x its roofline) with it off."""
+
+
 def residual_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``residual += linear(x, weight, bias)`` in place by one small-GEMM launch, returning ``(residual, stats)``
     (the sums of squares a :class:`DeferredNorm` of it needs), where :func:`choose` picked the small GEMM for this
     projection and it takes these tensors; else None (the caller adds as before: :func:`.fused.add_rms_norm`).
-    Rounded as Hugging Face rounds: the projection, then the sum, each to the model dtype."""
+    Rounded as Hugging Face rounds: the projection, then the sum, each to the model dtype. None whenever
+    :data:`FUSED_NORM` is off."""
+    if not FUSED_NORM:
+        return None
     got = _small_gemm_args(x, weight, bias, residual=residual)
     if got is None:
         return None

@@ -86,7 +86,7 @@ def test_residual_and_norm_refusals(interpret):
         small_gemm.small_gemm(both[:, :128], w, None, cfg, residual=both[:, 128:])
 
 
-def test_deferred_norm_off_the_small_gemm_is_the_norm_kernel_then_the_projection():
+def test_deferred_norm_off_the_small_gemm_is_the_norm_kernel_then_the_projection(monkeypatch):
     """Where the small GEMM was not chosen (the CPU here), a DeferredNorm input is the RMSNorm kernel's output,
     exactly, for linear, gated_linear and qkv_rope_linear; residual_linear declines (the caller adds)."""
     from kvgen.engine import fused
@@ -104,6 +104,7 @@ def test_deferred_norm_off_the_small_gemm_is_the_norm_kernel_then_the_projection
     got = gemv.qkv_rope_linear(deferred, w_qkv, None, pos, cos, sin, 4, 2, 32)
     want = fused.qkv_rope(nn.functional.linear(normed, w_qkv), pos, cos, sin, 4, 2, 32)
     assert all(torch.equal(a, c) for a, c in zip(got, want))
+    monkeypatch.setattr(gemv, "FUSED_NORM", True)  # declines because no small GEMM was chosen, not because it is off
     assert gemv.residual_linear(torch.randn(6, 96, generator=g), torch.randn(128, 96, generator=g), None, h) is None
 
 
