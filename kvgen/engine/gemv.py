@@ -185,9 +185,9 @@ def _small_gemm_args(x: Input, weight: torch.Tensor, bias: torch.Tensor | None, 
 FUSED_NORM = False
 """Whether :func:`residual_linear` may run: the residual add in the o/down small GEMM's epilogue and the RMSNorm in
 the next projection's prologue. Off: measured on the H200 (2026-12-05, ``benchmarks.experiments.step_ab``, int4 KV,
-Llama-3-8B, B=32 at 2K) the fused path cost 0.12-0.16 ms a step against the separate residual add + RMSNorm kernel
-(each q/k/v and gate/up program re-reads its rows' whole hidden state to normalize it), and the engine step went
-from 5.51 to 5.37 ms (1.223x to 1.194x its roofline) with it off."""
+Llama-3-8B, B=32 at 2K) the fused path cost 0.12-0.16 ms a step against the separate residual add + RMSNorm
+kernel (likely because each q/k/v and gate/up program re-reads its rows' whole hidden state to normalize it),
+and the engine step went from 5.51 to 5.38 ms (1.223x to 1.195x its roofline) with it off."""
 
 
 def residual_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -17,7 +17,8 @@ small decode batch (up to 64) kvgen's GEMV or small GEMM where the decode
 graphs found it faster; where the small GEMM runs gate/up, SiLU * up is
 its epilogue (:func:`.gemv.gated_linear`) and no kernel of its own, and
 where it runs q/k/v (no q/k norms), so is RoPE (:func:`.gemv.qkv_rope_linear`).
-Where it runs o and down, the residual add is their epilogue
+With :data:`.gemv.FUSED_NORM` on (off by default: measured slower), where
+it runs o and down the residual add is their epilogue
 (:func:`.gemv.residual_linear`) and the RMSNorm after it the next
 projection's prologue (:class:`.gemv.DeferredNorm`; the norm kernel where
 that projection runs elsewhere): no norm kernel between two small GEMMs.
