@@ -1,6 +1,7 @@
-"""Kept as run (PYTHONPATH=. python nonorm.py --parts step --no-hf --async-only --kv int4,bf16 --step-shapes 32x2048
+"""What ran (PYTHONPATH=. python nonorm.py --parts step --no-hf --async-only --kv int4,bf16 --step-shapes 32x2048
 [or 1x16384]) at 97be868: benchmarks.engine with gemv.residual_linear declining everywhere, i.e. the residual add +
-RMSNorm as its own kernel. Since the next commit that is the default (gemv.FUSED_NORM = False)."""
+RMSNorm as its own kernel. The run's copy took its declining stand-in from step_ab (``_declined``, gone since);
+here it is inlined, the same function. Since the next commit that is the default (gemv.FUSED_NORM = False)."""
 import runpy
 import sys
 
