@@ -44,15 +44,16 @@ def cuobjdump() -> str | None:
     return str(path) if path.is_file() else None
 
 
-def render(scheme: str, head_dim: int, gqa: int, page: int) -> str:
-    """The ``.cu`` source of the scheme's CUDA decode kernel (a PluginError-free KernelSpec or SystemExit)."""
+def render(scheme: str, head_dim: int, gqa: int, page: int, kv_heads: int = 8) -> str:
+    """The ``.cu`` source of the scheme's CUDA decode kernel (a PluginError-free KernelSpec or SystemExit); the
+    KV head count is compiled into it (pool strides)."""
     from kvgen.codegen.cuda import reason_unsupported
     from kvgen.codegen.render import render_sources
     from kvgen.codegen.spec import KernelSpec
     from kvgen.registry import default_registry
 
     reg = default_registry()
-    spec = KernelSpec(op="decode", scheme=scheme, head_dim=head_dim, num_kv_heads=8, gqa_group=gqa, page_size=page,
+    spec = KernelSpec(op="decode", scheme=scheme, head_dim=head_dim, num_kv_heads=kv_heads, gqa_group=gqa, page_size=page,
                       compute_dtype="bfloat16", arch="sm_90", backend="cuda")
     why = reason_unsupported(spec, reg.schemes[scheme], reg)
     if why:

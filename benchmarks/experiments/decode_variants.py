@@ -1,21 +1,25 @@
 """Variants of the CUDA decode kernel's source, timed head to head in one process (a GPU), each one checked.
 
     # offline (no GPU): render the variants' .cu sources into DIR
-    python -m benchmarks.experiments.decode_variants render DIR [--schemes int4,int8] [--base REV] [--heads 64,8]
+    python -m benchmarks.experiments.decode_variants render DIR [--schemes int4,int8] [--base REV|tree] [--heads 64,8]
+                                                      [--head-dim 128]
     # on the GPU: build every source in DIR, check it and time it at each shape
     python -m benchmarks.experiments.decode_variants time DIR [--shapes 32x4096,1x16384] [--out FILE] [--heads 64,8]
+                                                    [--head-dim 128]
 
 ``render`` writes, per scheme, ``<scheme>--base.cu`` (the decode kernel as git revision ``--base`` renders it,
 through that revision's own templates, unpacked with ``git archive`` into a temporary folder) and
-``<scheme>--tree.cu`` (the working tree's). Other variants can be added by hand as ``<scheme>--<name>.cu`` (e.g. the
+``<scheme>--tree.cu`` (the working tree's; ``--base tree`` writes the tree's as the base alone, for a scheme or
+head dim the revision cannot render). Other variants can be added by hand as ``<scheme>--<name>.cu`` (e.g. the
 tree rendered with an edited template). ``time`` loads the scheme's generated CUDA decode module once and points it
 at each source in turn (``SOURCE``: the runtime's CUDA loader builds and caches each), runs it once on a
 NaN-poisoned output against the float32 reference and against the base variant's output, and fails if the output
 is not finite or differs from the base's by more than ``--max-vs-base`` (relative L2). It then times every tuning
 candidate of the module (splits x warps x depths) with the runtime's kernel timer, cold pages cycled as the
 runtime's own tuning does, and reports the best per variant and shape, as a ratio to the base variant measured in
-the same process. ``--heads HQ,HKV`` (query and KV heads, default the ANCHORS' 64,8) must be the same for both
-steps: the group size is compiled into the source.
+the same process. ``--heads HQ,HKV`` (query and KV heads, default the ANCHORS' 64,8) and ``--head-dim`` must be
+the same for both steps: they are compiled into the source. ``time`` first builds every source, several nvcc
+processes at once, so the first timed launch of a variant waits on no compile.
 """
 
 from __future__ import annotations
@@ -36,36 +40,55 @@ HQ, HKV, D, PAGE = 64, 8, 128, 16
 RENDER = ("import sys, templates, plugins; sys.modules['kvgen_templates'] = templates; "
           "sys.modules['kvgen_plugins'] = plugins; "
           "from benchmarks.experiments.cuda_sass import render; "
-          "sys.stdout.write(render(sys.argv[1], {d}, {g}, {p}))")
+          "sys.stdout.write(render(sys.argv[1], {d}, {g}, {p}{h}))")
 
 
-def _render_at(root: Path, scheme: str, hq: int, hkv: int) -> str:
+def _render_at(root: Path, scheme: str, hq: int, hkv: int, d: int = D) -> str:
     """The decode .cu of ``scheme`` as the tree at ``root`` renders it (its own kvgen, templates and plugins)."""
     env = dict(os.environ, PYTHONPATH=str(root))
-    code = RENDER.format(d=D, g=hq // hkv, p=PAGE)
+    # the KV head count is compiled in; revisions before 2026-12-05 render 8 and do not take it
+    code = RENDER.format(d=d, g=hq // hkv, p=PAGE, h="" if hkv == 8 else f", kv_heads={hkv}")
     return subprocess.run([sys.executable, "-c", code, scheme], cwd=root, env=env, check=True,
                           capture_output=True, text=True).stdout
 
 
-def render(out_dir: Path, schemes: list[str], base: str, hq: int = HQ, hkv: int = HKV) -> None:
+def render(out_dir: Path, schemes: list[str], base: str, hq: int = HQ, hkv: int = HKV, d: int = D) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
+    if base == "tree":
+        for s in schemes:
+            (out_dir / f"{s}--base.cu").write_text(_render_at(REPO, s, hq, hkv, d))
+            print(f"{s}: 1 source (the tree's, as the base)", file=sys.stderr)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", base], check=True,
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         for s in schemes:
-            (out_dir / f"{s}--base.cu").write_text(_render_at(Path(tmp), s, hq, hkv))
-            (out_dir / f"{s}--tree.cu").write_text(_render_at(REPO, s, hq, hkv))
+            (out_dir / f"{s}--base.cu").write_text(_render_at(Path(tmp), s, hq, hkv, d))
+            (out_dir / f"{s}--tree.cu").write_text(_render_at(REPO, s, hq, hkv, d))
             print(f"{s}: 2 sources", file=sys.stderr)
 
 
+def build_all(files: list[Path], arch: str = "sm_90a") -> None:
+    """Build every source into the runtime's build cache, a few nvcc processes at once (each is one process)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvgen.runtime import cuda_loader
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for f, path in zip(files, pool.map(lambda f: cuda_loader.build(f.read_text(), arch), files)):
+            print(f"built {f.name}: {path.name}", file=sys.stderr)
+
+
 def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None,
-                  max_vs_base: float = 1e-2, hq: int = HQ, hkv: int = HKV) -> list[dict]:
+                  max_vs_base: float = 1e-2, hq: int = HQ, hkv: int = HKV, d: int = D) -> list[dict]:
     import torch
 
     from benchmarks.run import DecodeCase, kernel_module, rel_l2
     from kvgen.runtime.kernel_timer import cold_page_tables, cycling, graph_time_ms
 
+    D = d
+    build_all(sorted(src_dir.glob("*.cu")))
     records = []
     by_scheme: dict[str, list[Path]] = {}
     for f in sorted(src_dir.glob("*.cu")):
@@ -103,7 +126,8 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
                 ms, cfg = min(times, key=lambda t: t[0])
                 if base_ms is None:
                     base_ms = ms
-                rec = {"scheme": scheme_name, "variant": variant, "B": B, "L": L, "heads": [hq, hkv], "ms": ms, "config": cfg,
+                rec = {"scheme": scheme_name, "variant": variant, "B": B, "L": L, "heads": [hq, hkv], "head_dim": D,
+                       "ms": ms, "config": cfg,
                        "vs_base": ms / base_ms, "rel_l2": err, "rel_l2_vs_base": vs_base,
                        "candidates": [[t, c] for t, c in times]}
                 records.append(rec)
@@ -128,19 +152,21 @@ def main(argv=None) -> int:
     r.add_argument("--schemes", default="bf16,fp8,int8,int4,int2")
     r.add_argument("--base", default="HEAD")
     r.add_argument("--heads", default=f"{HQ},{HKV}", help="query and KV heads, HQ,HKV")
+    r.add_argument("--head-dim", type=int, default=D)
     t = sub.add_parser("time")
     t.add_argument("dir", type=Path)
     t.add_argument("--shapes", default="32x4096,1x16384")
     t.add_argument("--out", type=Path)
     t.add_argument("--max-vs-base", type=float, default=1e-2)
     t.add_argument("--heads", default=f"{HQ},{HKV}", help="query and KV heads, HQ,HKV (as rendered)")
+    t.add_argument("--head-dim", type=int, default=D, help="as rendered")
     a = ap.parse_args(argv)
     hq, hkv = (int(x) for x in a.heads.split(","))
     if a.cmd == "render":
-        render(a.dir, a.schemes.split(","), a.base, hq, hkv)
+        render(a.dir, a.schemes.split(","), a.base, hq, hkv, a.head_dim)
     else:
         shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
-        time_variants(a.dir, shapes, a.out, a.max_vs_base, hq, hkv)
+        time_variants(a.dir, shapes, a.out, a.max_vs_base, hq, hkv, a.head_dim)
     return 0
 
 
