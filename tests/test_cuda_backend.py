@@ -56,7 +56,7 @@ BUILD_SPECS = [
     _spec("fp16", head_dim=256, gqa=1, page=32, dtype="bfloat16", heads=4),
     _spec("int4", head_dim=64, gqa=4, page=32, dtype="float16", heads=2, sliding_window=40),  # KIVI + residual pool
     _spec("fp8", head_dim=128, gqa=4, page=16, dtype="bfloat16", heads=2, softcap=20.0),
-    _spec("int2", head_dim=128, gqa=8, page=32, dtype="bfloat16", heads=2),  # 2-bit codes, 128-token residual
+    _spec("int2", head_dim=64, gqa=8, page=32, dtype="bfloat16", heads=2),  # 2-bit codes (2-byte value chunks)
 ]
 
 
@@ -155,7 +155,7 @@ def test_unsupported_specs_name_a_reason():
         "int8 reader needs": (_spec("int8", head_dim=96), "int8"),
         "page size": (_spec(page=24), "bf16"),
         "multiple of 16": (_spec("int4", page=8), "int4"),  # residual schemes need whole tiles per page
-        "128 or 256 for 2-bit": (_spec("int2", head_dim=64), "int2"),
+        "64, 128 or 256": (_spec("int2", head_dim=32), "int2"),
         "KIVI reader needs": (_spec("int4", head_dim=96), "int4"),
         "CUDA macros": (_spec("nuq4"), "nuq4"),
         "fp8 reader needs": (_spec("fp8", head_dim=80), "fp8"),
@@ -169,6 +169,7 @@ def test_unsupported_specs_name_a_reason():
     assert cuda_backend.reason_unsupported(_spec("int8"), reg.schemes["int8"]) is None
     assert cuda_backend.reason_unsupported(_spec("int4"), reg.schemes["int4"]) is None
     assert cuda_backend.reason_unsupported(_spec("int2"), reg.schemes["int2"]) is None
+    assert cuda_backend.reason_unsupported(_spec("int2", head_dim=64), reg.schemes["int2"]) is None
     with pytest.raises(ValueError, match="cannot use the CUDA backend"):
         _sources(_spec(head_dim=72))
 
@@ -271,14 +272,15 @@ def test_unknown_backend_is_a_one_line_error(tmp_path):
     assert isinstance(info.value, KvgenError) and not (tmp_path / "pkg").exists()
 
 
-def test_16_bit_pages_are_built_and_tuned_for_two_stages_only():
-    """Three 8 KB stages of 16-bit pages a warp would not fit an A100's shared memory at 8 warps: their library
-    has 2 stages only, so the tuner never times a config that cannot launch; 8- and 4-bit pages get every
-    depth, and the default config is one the library has."""
+def test_16_bit_pages_past_d64_are_built_and_tuned_for_two_stages_only():
+    """Three 8 KB stages of 16-bit pages (D=128) a warp would not fit an A100's shared memory at 8 warps: their
+    library has 2 stages only, so the tuner never times a config that cannot launch; at D=64 (4 KB stages) and
+    for 8- and 4-bit pages every depth is built, and the default config is one the library has."""
     from kvgen.codegen.loader import load_kernel
 
-    for scheme, depths in (("bf16", [2]), ("int8", [2, 3, 4]), ("int4", [2, 3, 4])):
-        spec = dataclasses.replace(_spec(scheme, head_dim=64, gqa=2, heads=1), arch="cpu")
+    for scheme, d, depths in (("bf16", 128, [2]), ("fp16", 256, [2]), ("bf16", 64, [2, 3, 4]),
+                              ("int8", 64, [2, 3, 4]), ("int4", 64, [2, 3, 4]), ("int8", 128, [2, 3, 4])):
+        spec = dataclasses.replace(_spec(scheme, head_dim=d, gqa=2, heads=1), arch="cpu")
         mod = load_kernel(spec, default_registry().schemes[scheme])
         assert list(mod.DEPTHS) == depths
         assert sorted({c["depth"] for c in mod.candidates(4, 1024)}) == depths
@@ -332,6 +334,7 @@ GPU_CASES = [  # scheme, head_dim, gqa, page, compute dtype, kv heads
     ("int4", 256, 2, 16, "bfloat16", 2),
     ("int2", 128, 8, 16, "bfloat16", 8),   # 2-bit codes; lengths past 128 tokens reach the compressed pages
     ("int2", 128, 4, 32, "float16", 2),
+    ("int2", 64, 4, 16, "float16", 4),     # 2-byte value chunks: the low half of a word
     ("int2", 256, 2, 16, "bfloat16", 2),
 ]
 
@@ -385,6 +388,16 @@ def test_gpu_cuda_decode_splits_warps_and_depth(scheme, splits, warps, depth):
     # lengths whose per-warp tile counts are below, at and past every depth, so a pipeline ends on any stage
     depth = 2 if scheme == "bf16" else depth  # 16-bit pages are built for 2 stages only
     _gpu_decode(scheme, 128, 8, 16, "bfloat16", 4, [4099, 1, 0, 640, 33, 16 * 4 * 3 + 5],
+                config={"num_splits": splits, "num_warps": warps, "depth": depth})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["bf16", "fp16"])
+@pytest.mark.parametrize("splits,warps,depth", [(1, 4, 3), (3, 8, 4), (16, 4, 4)])
+def test_gpu_cuda_decode_16bit_pages_deeper_rings_at_d64(scheme, splits, warps, depth):
+    # 16-bit pages at D=64 are built for 3 and 4 stages too (depths_for); pipelines ending on every stage
+    dtype = "bfloat16" if scheme == "bf16" else "float16"
+    _gpu_decode(scheme, 64, 8, 16, dtype, 4, [4099, 1, 0, 640, 33, 16 * 4 * 3 + 5],
                 config={"num_splits": splits, "num_warps": warps, "depth": depth})
 
 

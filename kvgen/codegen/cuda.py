@@ -38,7 +38,7 @@ WARPS = (4, 8)
 """Warps per program the decode library is built for (one template instance each)."""
 DEPTHS = (2, 3, 4)
 """Shared-memory stages per warp (tiles in flight: one fewer) the decode library is built for; pages of 16-bit
-elements are built for 2 only (see :func:`depths_for`)."""
+elements past D=64 are built for 2 only (see :func:`depths_for`)."""
 ABI_VERSION = 4
 """The version of kvgen_decode's parameter list: rendered into the library and into the module that checks it."""
 MAX_SPLITS = 128
@@ -108,12 +108,14 @@ def render(spec: KernelSpec, scheme: Scheme, L: LayoutContext, R: LayoutContext,
 
 
 def depths_for(L: LayoutContext) -> tuple[int, ...]:
-    """The pipeline depths built for a scheme's pages: :data:`DEPTHS`, or 2 alone for 16-bit elements (a stage
-    of 16 bf16 rows at D=128 is 8 KB: two a warp already keep 64 KB in flight per SM, and three at 8 warps would
-    not fit an A100's shared memory). Some built configs still exceed a device's shared memory (16-bit D=256 at
-    8 warps; 8-bit D=256 at 8 warps and 4 stages): their launch fails with a CUDA error the tuner skips, and
-    the default config (4 warps, 2 stages) fits every sm_80+ device."""
-    return (DEPTHS[0],) if dtype_bytes(L.t[L.tensor_order[0]].dtype) > 1 else DEPTHS
+    """The pipeline depths built for a scheme's pages: :data:`DEPTHS`, or 2 alone for 16-bit elements past
+    D=64 (a stage of 16 bf16 rows at D=128 is 8 KB: two a warp already keep 64 KB in flight per SM, and three at
+    8 warps would not fit an A100's shared memory; at D=64 a stage is half that, and one tile in flight a warp
+    is half the bytes). Some built configs still exceed a device's shared memory (16-bit D=256 at 8 warps;
+    8-bit D=256 at 8 warps and 4 stages): their launch fails with a CUDA error the tuner skips, and the default
+    config (4 warps, 2 stages) fits every sm_80+ device."""
+    wide = dtype_bytes(L.t[L.tensor_order[0]].dtype) > 1 and L.head_dim > 64
+    return (DEPTHS[0],) if wide else DEPTHS
 
 
 def reason_unsupported(spec: KernelSpec, scheme: Scheme, registry: Registry | None = None) -> str | None:
