@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|gemv|prefill|confirm] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|gemv|prefill|confirm|d64|decode-candidates] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -297,6 +297,59 @@ if [ "$what" = confirm ]; then
   timeout 120 python3 -m benchmarks.experiments.prefill_variants --variants base,fold+pvec --configs 16x128w8s3 \
     --seconds 80 --out "$OUT/prefill_variants.json" >"$OUT/prefill_variants.log" 2>&1
   echo "prefill variants: exit $?"; grep -E "^(sdpa|template|base|fold)" "$OUT/prefill_variants.log" | cut -c1-160
+fi
+if [ "$what" = d64 ]; then
+  # About 8 minutes, for the first session with device time after 2026-12-05's thirty-third (none was lent then):
+  # the CUDA KIVI reader at 2 bits and D=64 and 16-bit pages at D=64 with 3-4 stages (d8c4ea5, never run on a
+  # GPU) under their GPU tests; then, at the D=64 anchor (16 x 8192, 32/4), every CUDA reader's kernel as
+  # rendered and with its register cap at 24 and 32 warps an SM instead of 16 (__launch_bounds__), every
+  # candidate of each timed; then the decode table's D=64 row through the runtime's own choice. Run
+  # `decode-candidates` in the call after.
+  par=""; python3 -c "import xdist" 2>/dev/null && par="-n 8"
+  timeout 170 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -v -rfE --tb=short \
+    tests/test_cuda_backend.py -k "int2 or deeper_rings" >"$OUT/pytest-gpu-d64.log" 2>&1
+  echo "int2 + D=64 stage GPU tests: exit $? (124: cut)"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-gpu-d64.log" | tail -8
+  v=/tmp/kvgen-d64-variants; rm -rf "$v"
+  python3 -m benchmarks.experiments.decode_variants render "$v" --schemes bf16,int8,fp8,int4,int2 --base tree \
+    --heads 32,4 --head-dim 64 2>/dev/null
+  for f in "$v"/*--base.cu; do
+    for w in 24 32; do
+      sed "s|__launch_bounds__(NW \* 32, 16 / NW)|__launch_bounds__(NW * 32, $w / NW)|" "$f" >"${f%--base.cu}--regs$w.cu"
+    done
+  done
+  timeout 240 python3 -m benchmarks.experiments.decode_variants time "$v" --shapes 16x8192 --heads 32,4 --head-dim 64 \
+    --out "$OUT/variants-d64.json" >"$OUT/variants-d64.log" 2>&1
+  echo "D=64 variants: exit $?"; grep -v "^built" "$OUT/variants-d64.log" | tail -16 | cut -c1-160
+  timeout 120 python3 -m benchmarks.run --ops decode --schemes bf16,int2,int4 --backend auto --shapes 16x8192 \
+    --out "$OUT/decode-d64" >"$OUT/decode-d64.log" 2>&1; echo "decode D=64 row: exit $?"
+  grep -E "^decode " "$OUT/decode-d64.log" | cut -c1-130
+fi
+if [ "$what" = decode-candidates ]; then
+  # About 8 minutes: every CUDA candidate of int8 and int4 at 1 x 131072 and 32 x 4096 (64/8, D=128), the kernel
+  # before b609346 (64-bit page ids) against the tree's; then Nsight Compute on one tuned launch of the cases
+  # that miss issue 16's goals (KVGEN_NCU_CASES="scheme:B,L,Hq,Hkv,D ...").
+  v=/tmp/kvgen-d128-variants; rm -rf "$v"
+  # (the base needs the repository's history; without it, the tree's kernel alone)
+  python3 -m benchmarks.experiments.decode_variants render "$v" --schemes int8,int4 --base 8587e12 2>/dev/null \
+    || python3 -m benchmarks.experiments.decode_variants render "$v" --schemes int8,int4 --base tree 2>/dev/null
+  timeout 200 python3 -m benchmarks.experiments.decode_variants time "$v" --shapes 1x131072,32x4096 \
+    --out "$OUT/candidates-d128.json" >"$OUT/candidates-d128.log" 2>&1
+  echo "D=128 candidates: exit $?"; grep -v "^built" "$OUT/candidates-d128.log" | tail -8 | cut -c1-160
+  command -v ncu >/dev/null || { echo "no ncu on this machine"; exit 0; }
+  sections=""; for s in SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats ComputeWorkloadAnalysis \
+    MemoryWorkloadAnalysis InstructionStats; do sections="$sections --section $s"; done
+  mkdir -p "$OUT/ncu"
+  for case in ${KVGEN_NCU_CASES:-int4:32,4096,64,8,128 int8:1,131072,64,8,128 int8:16,8192,32,4,64}; do
+    s=${case%%:*}; shape=${case##*:}; tag=$s-${shape//,/-}
+    timeout 60 python3 -m benchmarks.experiments.ncu_decode run --scheme "$s" --backend cuda --shape "$shape" \
+      --work "/tmp/kvgen-ncu-$tag" --tune 2>&1 | tail -1
+    timeout 60 ncu --clock-control none --target-processes all -k 'regex:^_?decode_kernel' --launch-skip 2 \
+      --launch-count 1 $sections --csv --page raw python3 -m benchmarks.experiments.ncu_decode run --scheme "$s" \
+      --backend cuda --shape "$shape" --work "/tmp/kvgen-ncu-$tag" >"$OUT/ncu/ncu-$tag.csv" 2>"$OUT/ncu/ncu-$tag.err"
+    echo "ncu $tag: exit $?"
+  done
+  python3 -m benchmarks.experiments.ncu_decode summary "$OUT"/ncu/ncu-*.csv | tee "$OUT/ncu-summary.txt"
+  tar czf "$OUT/ncu.tgz" -C "$OUT/ncu" . && rm -rf "$OUT/ncu"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"
