@@ -37,7 +37,6 @@ import json
 import math
 import os
 import re
-import socket
 import statistics
 import sys
 import time
@@ -46,236 +45,17 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.tp_equivalence import equivalence_table, equivalence_worker
+from benchmarks.tp_ranks import (CPU_NOTE, SAFE_ENV, barrier, error_text, gather, run_header, setup_rank, spawn,
+                                write_json)
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIRS = [REPO / "tests" / "assets" / "models" / "stories260K"]
-PROMPT = "Once upon a time, there was a little"
-# Never let NCCL or PyTorch use NVLink multicast (it can take a shared host's GPUs down).
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SHAPE = dict(B=32, L=4096, Hq=64, Hkv=8, D=128)  # Llama-3-70B attention, the first ANCHORS shape of benchmarks/run.py
 QUICK_SHAPE = dict(B=2, L=64, Hq=64, Hkv=8, D=128)
 # Compiled variants tried (pages per tile, warps, stages), every split count of candidates() for each:
 # a handful of compiles per kernel instead of a dozen (the H200 sweep's best were among these).
 TUNE_VARIANTS = {(8, 4, 2), (4, 4, 2)}
-CPU_NOTE = "CPU (Triton interpreter) smoke run: the timings below mean nothing"
-
-
-# --------------------------------------------------------------------------- plumbing
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _setup(rank: int, world: int, opts: dict) -> torch.device:
-    """Environment, device and process group of one rank."""
-    import datetime
-
-    import torch.distributed as dist
-
-    for k, v in SAFE_ENV.items():
-        os.environ.setdefault(k, v)
-    if opts["device"] == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-        dev = torch.device("cpu")
-    else:
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-    kwargs = {"device_id": dev} if opts["backend"] == "nccl" else {}
-    dist.init_process_group(opts["backend"], init_method=f"tcp://127.0.0.1:{opts['port']}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=opts["pg_timeout"]), **kwargs)
-    return dev
-
-
-def _barrier(opts: dict, rank: int) -> None:
-    import torch.distributed as dist
-
-    if opts["backend"] == "nccl":
-        dist.barrier(device_ids=[rank])
-    else:
-        dist.barrier()
-
-
-def _gather(obj):
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _err(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc)[:400]}"
-
-
-def _header(opts: dict, world: int) -> dict:
-    import triton
-    import transformers
-
-    gpu = torch.cuda.get_device_name() if opts["device"] == "cuda" else "cpu"
-    return dict(gpu=gpu, gpus=world, torch=torch.__version__, triton=triton.__version__,
-                transformers=transformers.__version__, date=dt.date.today().isoformat(), backend=opts["backend"],
-                device=opts["device"], command=opts["command"],
-                note=CPU_NOTE if opts["device"] == "cpu" else None)
-
-
-def _write(path: str, obj: dict) -> None:
-    from kvgen.atomic import write_atomic
-
-    write_atomic(path, json.dumps(obj, indent=1, default=str) + "\n")
-
-
-def _spawn(fn, world: int, opts: dict, deadline_s: float) -> str | None:
-    """Run fn(rank, world, opts) on ``world`` spawned ranks; None, or why they did not all finish."""
-    import torch.multiprocessing as mp
-
-    opts = dict(opts, port=_free_port())
-    ctx = mp.start_processes(fn, args=(world, opts), nprocs=world, join=False, start_method="spawn")
-    end = time.monotonic() + deadline_s
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > end:
-                for p in ctx.processes:  # only the ranks started here
-                    if p.is_alive():
-                        p.terminate()
-                for p in ctx.processes:
-                    p.join(10)
-                    if p.is_alive():
-                        p.kill()
-                return f"stopped after its {deadline_s:.0f} s deadline"
-    except Exception as exc:  # a rank raised or died
-        return _err(exc)
-    return None
-
-
-# --------------------------------------------------------------------------- a. equivalence
-
-
-def _equiv_cases(opts: dict) -> list[dict]:
-    stories = dict(kind="stories", model=opts["model_dir"])
-    if opts["device"] == "cpu":
-        return [dict(stories, name="stories260K fp32", dtype="float32", scheme="fp32", expect="exact"),
-                dict(kind="random", name="random Llama (tiny) fp32", dtype="float32", scheme="fp32", expect="exact",
-                     model="random", config=dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
-                                                 head_dim=32, num_hidden_layers=2, intermediate_size=512,
-                                                 vocab_size=256, max_position_embeddings=2048,
-                                                 initializer_range=0.05))]
-    return [dict(stories, name="stories260K fp32", dtype="float32", scheme="fp32", expect="exact"),
-            dict(stories, name="stories260K bf16", dtype="bfloat16", scheme="bf16", expect="record"),
-            dict(kind="random", name="random Llama 64/8 D128 h8192 bf16", dtype="bfloat16", scheme="bf16",
-                 expect="record", model="random",
-                 config=dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
-                             num_hidden_layers=2, intermediate_size=2048, vocab_size=1024,
-                             max_position_embeddings=4096, initializer_range=0.05))]
-
-
-def _generate_case(case: dict, rank: int, world: int, dev: torch.device, new_tokens: int) -> dict:
-    """Greedy tokens and raw logits of one model, sharded for (rank, world), through kvgen."""
-    import gc
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from kvgen.integrations.tensor_parallel import shard_model
-    from kvgen.integrations.transformers import attach
-
-    hf_logging.disable_progress_bar()
-    t0 = time.perf_counter()
-    torch.manual_seed(0)
-    if case["kind"] == "stories":
-        tok = AutoTokenizer.from_pretrained(case["model"])
-        model = AutoModelForCausalLM.from_pretrained(case["model"], dtype=torch.float32).eval()
-        ids = tok(PROMPT, return_tensors="pt").input_ids
-    else:  # the same seeded float32 init on every rank, then this rank's shard
-        model = LlamaForCausalLM(LlamaConfig(**case["config"])).eval()
-        ids = torch.randint(3, case["config"]["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(1))
-    shard_model(model, rank, world)
-    model.to(device=dev, dtype=getattr(torch, case["dtype"]))
-    attach(model, scheme=case["scheme"], max_tokens=1024, autotune=False, tp_rank=rank, tp_size=world, device=dev)
-    with torch.no_grad():
-        # min_new_tokens: an end-of-text token must not cut one run short of the other
-        out = model.generate(ids.to(dev), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True)
-    tokens = out.sequences[0, ids.shape[1]:].tolist()
-    logits = torch.stack([step[0].float().cpu() for step in out.logits])
-    del model, out
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    return {"tokens": tokens, "logits": logits, "seconds": time.perf_counter() - t0}
-
-
-def _compare(case: dict, ref: dict, per_rank: list[dict], world: int, opts: dict) -> dict:
-    rec = dict(case=case["name"], dtype=case["dtype"], scheme=case["scheme"], tp=world, backend=opts["backend"],
-               device=opts["device"], expect=case["expect"], new_tokens=opts["new_tokens"])
-    errors = {}
-    if "error" in ref:
-        errors["tp1"] = ref["error"]
-    for r, res in enumerate(per_rank):
-        if "error" in res:
-            errors[f"rank{r}"] = res["error"]
-    if errors:
-        return dict(rec, errors=errors, exact=False)
-    t1, tn = ref["tokens"], per_rank[0]["tokens"]
-    matching = next((i for i, (a, b) in enumerate(zip(t1, tn)) if a != b), min(len(t1), len(tn)))
-    # Step i's logits come from the same inputs while the first i generated tokens agree.
-    steps = min(matching + 1, len(t1), len(tn))
-    a, b = per_rank[0]["logits"][:steps].double(), ref["logits"][:steps].double()
-    return dict(rec, tokens_tp1=t1, tokens_tpN=tn, ranks_agree=all(r["tokens"] == tn for r in per_rank),
-                matching_tokens=matching, exact=t1 == tn and all(r["tokens"] == tn for r in per_rank),
-                logits_steps_compared=steps, logits_rel_error=float((a - b).norm() / b.norm()),
-                logits_rel_error_first_step=float((a[0] - b[0]).norm() / b[0].norm()),
-                logits_max_abs_diff=float((a - b).abs().max()),
-                seconds_tp1=ref["seconds"], seconds_tpN=max(r["seconds"] for r in per_rank))
-
-
-def _equiv_worker(rank: int, world: int, opts: dict) -> None:
-    import torch.distributed as dist
-
-    dev = _setup(rank, world, opts)
-    try:
-        doc = dict(_header(opts, world), records=[]) if rank == 0 else None
-        cases = _equiv_cases(opts)
-        # tp=1 references, one process each, spread over the ranks (each on its own device).
-        mine = {}
-        for i, case in enumerate(cases):
-            if i % world == rank:
-                try:
-                    mine[case["name"]] = _generate_case(case, 0, 1, dev, opts["new_tokens"])
-                except Exception as exc:
-                    traceback.print_exc()
-                    mine[case["name"]] = {"error": _err(exc)}
-        refs = {k: v for part in _gather(mine) for k, v in part.items()}
-        for case in cases:
-            try:
-                res = _generate_case(case, rank, world, dev, opts["new_tokens"])
-            except Exception as exc:  # the same error on every rank keeps the collectives in step
-                traceback.print_exc()
-                res = {"error": _err(exc)}
-            per_rank = _gather(res)
-            if rank == 0:
-                doc["records"].append(_compare(case, refs[case["name"]], per_rank, world, opts))
-                _write(opts["equivalence_file"], doc)
-        _barrier(opts, rank)
-    finally:
-        dist.destroy_process_group()
-
-
-def equivalence_table(doc: dict) -> str:
-    lines = [f"{'case':36} {'tp':>3} {'backend':7} {'tokens equal':>12} {'exact':>6} {'logits rel err':>14}"
-             f" {'first step':>10}"]
-    for r in doc.get("records", []):
-        if r.get("errors"):
-            lines.append(f"{r['case']:36} {r['tp']:>3} {r['backend']:7} ERROR {json.dumps(r['errors'])[:200]}")
-            continue
-        lines.append(f"{r['case']:36} {r['tp']:>3} {r['backend']:7} "
-                     f"{str(r['matching_tokens']) + '/' + str(r['new_tokens']):>12} {'yes' if r['exact'] else 'no':>6} "
-                     f"{r['logits_rel_error']:>14.2e} {r['logits_rel_error_first_step']:>10.2e}"
-                     + ("  (expected exact)" if r["expect"] == "exact" and not r["exact"] else ""))
-    if doc.get("error"):
-        lines.append(f"part failed: {doc['error']}")
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- b. decode scaling
@@ -341,14 +121,14 @@ def _scaling_point(name: str, tp: int, rank: int, dev: torch.device, shape: dict
                 try:
                     times.append(_time(lambda: run(cfg), dev, 60))
                 except Exception as exc:  # a candidate that does not compile (registers, smem) is skipped
-                    print(f"    rank {rank} {name} tp{tp} candidate {cfg} failed: {_err(exc)[:160]}", file=sys.stderr)
+                    print(f"    rank {rank} {name} tp{tp} candidate {cfg} failed: {error_text(exc)[:160]}", file=sys.stderr)
                     times.append(None)
             state = dict(case=case, run=run, out=out)
             info = {"configs": cands, "times": times, "tune_s": time.perf_counter() - t0}
         except Exception as exc:
             traceback.print_exc()
-            info = {"error": _err(exc)}
-    infos = _gather(info)[:tp]
+            info = {"error": error_text(exc)}
+    infos = gather(info)[:tp]
     rec = dict(scheme=name, tp=tp, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, page_size=PAGE, q_heads_per_gpu=hq,
                kv_heads_per_gpu=hkv, dtype=str(dtype).split(".")[-1])
     errors = {f"rank{r}": i["error"] for r, i in enumerate(infos) if "error" in i}
@@ -362,7 +142,7 @@ def _scaling_point(name: str, tp: int, rank: int, dev: torch.device, shape: dict
         else:
             errors["all"] = "no tuning candidate ran"
     # Every rank launches the chosen config together, right after one barrier.
-    _barrier(opts, rank)
+    barrier(opts, rank)
     result = None
     if active and pick is not None:
         try:
@@ -375,8 +155,8 @@ def _scaling_point(name: str, tp: int, rank: int, dev: torch.device, shape: dict
             result = {"ms": ms, "bytes": case.bytes, "rel_error": rel_l2(state["out"].float(), case.reference())}
         except Exception as exc:
             traceback.print_exc()
-            result = {"error": _err(exc)}
-    results = _gather(result)[:tp]
+            result = {"error": error_text(exc)}
+    results = gather(result)[:tp]
     state.clear()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -401,20 +181,20 @@ def _scaling_point(name: str, tp: int, rank: int, dev: torch.device, shape: dict
 def _scaling_worker(rank: int, world: int, opts: dict) -> None:
     import torch.distributed as dist
 
-    dev = _setup(rank, world, opts)
+    dev = setup_rank(rank, world, opts)
     try:
         shape = QUICK_SHAPE if opts["quick"] else SHAPE
-        _barrier(opts, rank)
-        opts = dict(opts, copy_bw=_gather(_copy_bandwidth(dev)))  # every GPU at once: what each gets alone
+        barrier(opts, rank)
+        opts = dict(opts, copy_bw=gather(_copy_bandwidth(dev)))  # every GPU at once: what each gets alone
         doc = None
         if rank == 0:
-            doc = dict(_header(opts, world), shape=shape, copy_bandwidth_per_gpu=opts["copy_bw"],
+            doc = dict(run_header(opts, world), shape=shape, copy_bandwidth_per_gpu=opts["copy_bw"],
                        method="per rank: Hq/tp, Hkv/tp heads, the whole batch; tuned over a short candidate list "
                               "(lowest time on the slowest rank), then all ranks time together after a barrier "
                               "(median of do_bench each); ms = the slowest rank; bw_fraction = KV bytes per GPU / ms "
                               "/ the lowest copy bandwidth of the GPUs used",
                        records=[])
-            _write(opts["scaling_file"], doc)
+            write_json(opts["scaling_file"], doc)
         tps = [t for t in (1, 2, 4, 8) if t <= world and shape["Hkv"] % t == 0]
         if world not in tps:
             tps.append(world)
@@ -428,10 +208,10 @@ def _scaling_worker(rank: int, world: int, opts: dict) -> None:
                     elif base and "ms" in rec:
                         rec["speedup_vs_tp1"] = base["ms"] / rec["ms"]
                     doc["records"].append(rec)
-                    _write(opts["scaling_file"], doc)
+                    write_json(opts["scaling_file"], doc)
                     print(json.dumps({k: v for k, v in rec.items() if k not in ("tuning", "copy_bandwidth_per_gpu")},
                                      default=str), flush=True)
-        _barrier(opts, rank)
+        barrier(opts, rank)
     finally:
         dist.destroy_process_group()
 
@@ -538,14 +318,14 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         (out / json_name).unlink(missing_ok=True)
         try:
-            error = _spawn(worker, world, opts, timeout)
+            error = spawn(worker, world, opts, timeout)
         except Exception as exc:
-            error = _err(exc)
+            error = error_text(exc)
         doc = _finish(out / json_name, error, header)
         print(f"\n{title} ({time.perf_counter() - t0:.0f} s):\n{table(doc)}", flush=True)
 
     if "equivalence" in parts:
-        run_part(_equiv_worker, "equivalence.json", args.equivalence_timeout,
+        run_part(equivalence_worker, "equivalence.json", args.equivalence_timeout,
                  f"equivalence, tp=1 vs tp={world}", equivalence_table)
     if "scaling" in parts:
         run_part(_scaling_worker, "tp_scaling.json", args.scaling_timeout, "decode scaling", scaling_table)

@@ -353,6 +353,8 @@ def _gpu_decode(scheme, head_dim, gqa, page, dtype, heads, lengths, *, config=No
                       sliding_window=window, softcap=softcap)
     from kvgen.codegen.loader import load_kernel
 
+    from .kernels.reference import reference_attention
+
     mod = load_kernel(spec, reg.schemes[scheme])
     cache = hz.make_cache(scheme, head_dim, heads, page, lengths, dtype, device="cuda", seed=seed)
     q = hz.random_q(len(lengths), heads * gqa, head_dim, torch.float32, "cpu", seed=seed + 1) * q_scale + q_shift
@@ -361,8 +363,8 @@ def _gpu_decode(scheme, head_dim, gqa, page, dtype, heads, lengths, *, config=No
     sm_scale = 1.0 / math.sqrt(head_dim)
     mod.launch(q, out, cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, sm_scale, config=config)
     torch.cuda.synchronize()
-    ref = hz.reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], window=window, softcap=softcap,
-                                 sm_scale=sm_scale)
+    ref = reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], window=window, softcap=softcap,
+                              sm_scale=sm_scale)
     err = hz.rel_l2(out, ref)
     tol = hz.tolerance(reg.schemes[scheme], getattr(torch, dtype))
     assert err <= tol, f"{spec.name} lengths {lengths} config {config}: rel L2 {err:.3g} > {tol:.3g}"

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from . import harness as hz
+from .reference import reference_attention
 
 HEAD_DIMS = (8, 64, 96, 128)
 GQAS = (1, 4, 8)
@@ -36,8 +37,8 @@ def run_decode(case: hz.Case, lengths, *, config=None, seed=0, window=0, softcap
     sm_scale = 1.0 / math.sqrt(case.head_dim)
     mod.launch(q, out, cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, sm_scale,
                config=config)
-    ref = hz.reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], window=window,
-                                 softcap=softcap, sm_scale=sm_scale)
+    ref = reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], window=window,
+                              softcap=softcap, sm_scale=sm_scale)
     return out, ref, cache, q
 
 
@@ -100,7 +101,7 @@ def test_decode_sliding_window(scheme):
                                     seed=5)
     hz.check(case, out, ref, f"window {window}")
     # the window must matter: full attention gives a different answer
-    full = hz.reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], sm_scale=case.head_dim ** -0.5)
+    full = reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], sm_scale=case.head_dim ** -0.5)
     assert hz.rel_l2(full, ref) > 10 * hz.tolerance(case.scheme_obj, case.dtype)
 
 
@@ -113,7 +114,7 @@ def test_decode_softcap(scheme):
     out, ref, cache, q = run_decode(case, lengths, softcap=softcap, q_scale=6.0,
                                     config={"num_splits": 2, "pages_per_tile": 2}, seed=7)
     hz.check(case, out, ref, f"softcap {softcap}")
-    uncapped = hz.reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], sm_scale=case.head_dim ** -0.5)
+    uncapped = reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], sm_scale=case.head_dim ** -0.5)
     assert hz.rel_l2(uncapped, ref) > 10 * hz.tolerance(case.scheme_obj, case.dtype)
 
 
@@ -157,7 +158,7 @@ def test_decode_split_arrival_counters_are_left_zero_and_reused(scheme):
     q = hz.random_q(len(lengths), case.num_kv_heads * case.gqa, case.head_dim, torch.float32, "cpu", seed=31)
     q = q.to(case.dtype).to(hz.device())
     args = (cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, case.head_dim ** -0.5)
-    ref = hz.reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], sm_scale=case.head_dim ** -0.5)
+    ref = reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], sm_scale=case.head_dim ** -0.5)
     out = hz.poisoned_like(q)
     mod.launch(q, out, *args, config={"num_splits": 5, "pages_per_tile": 1}, counters=own)
     hz.check(case, out, ref, "caller's counters")

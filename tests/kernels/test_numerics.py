@@ -29,6 +29,7 @@ import torch
 from kvgen.runtime.pools import allocate_pool
 
 from . import harness as hz
+from .reference import reference_attention
 
 H, GQA, P = 2, 2, 16
 DTYPES = ("float32", "float16")
@@ -110,7 +111,7 @@ def run_both(s, D: int, dtype: torch.dtype, ks, vs, q_scale: float = 1.0, seed: 
     hz.load_op("decode", s, D, H, GQA, P, dtype, dev=dev).launch(
         q, out, c["pools"], c["block_tables"], c["seq_lens"], c["num_compressed"], sm_scale,
         config={"num_splits": 2, "pages_per_tile": 1})
-    ref = hz.reference_attention(q, seen_k, seen_v, [n - 1 for n in lengths], sm_scale=sm_scale)
+    ref = reference_attention(q, seen_k, seen_v, [n - 1 for n in lengths], sm_scale=sm_scale)
     results.append(("decode", out.cpu(), ref, [[n - 1] for n in lengths]))
 
     total = sum(lengths)
@@ -121,7 +122,7 @@ def run_both(s, D: int, dtype: torch.dtype, ks, vs, q_scale: float = 1.0, seed: 
     hz.load_op("prefill", s, D, H, GQA, P, dtype, dev=dev).launch(
         q, out, c["pools"], c["block_tables"], c["seq_lens"], c["num_compressed"], cu, max(lengths), sm_scale,
         config={"block_m": 16, "pages_per_tile": 1})
-    ref = hz.reference_attention(q, seen_k, seen_v, positions, sm_scale=sm_scale)
+    ref = reference_attention(q, seen_k, seen_v, positions, sm_scale=sm_scale)
     results.append(("prefill", out.cpu(), ref, positions))
     return results
 

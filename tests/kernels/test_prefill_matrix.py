@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from . import harness as hz
+from .reference import reference_attention
 
 HEAD_DIMS = (8, 64, 96, 128)
 GQAS = (1, 4, 8)
@@ -176,9 +177,9 @@ def _reference(q, ks, vs, positions, window, softcap, sm_scale):
     G = q.shape[1] // H
     parts = []
     for h in range(H):
-        parts.append(hz.reference_attention(q[:, h * G:(h + 1) * G], [k[h:h + 1] for k in ks],
-                                            [v[h:h + 1] for v in vs], positions, window=window,
-                                            softcap=softcap, sm_scale=sm_scale))
+        parts.append(reference_attention(q[:, h * G:(h + 1) * G], [k[h:h + 1] for k in ks],
+                                         [v[h:h + 1] for v in vs], positions, window=window,
+                                         softcap=softcap, sm_scale=sm_scale))
     return torch.cat(parts, dim=1)
 
 
