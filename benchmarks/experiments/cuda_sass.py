@@ -2,7 +2,7 @@
 instruction mix of its tile loop, per scheme and template instance (``decode_kernel<NW, DEPTH>``).
 
     python -m benchmarks.experiments.cuda_sass int4 int8 bf16 [--head-dim 128] [--gqa 8] [--page 16]
-                                              [--instance 4,3] [--sass-dir DIR]
+                                              [--instance 4,3] [--sass-dir DIR] [--reg-cap-warps 24]
 
 For each scheme it renders the decode kernel as ``kvgen compile --backend cuda`` does (one layer, 8 KV
 heads, bf16 compute), compiles it with nvcc to a cubin (``-O3 -arch=sm_90a -Xptxas -v``; the flags of the
@@ -125,7 +125,13 @@ def largest_loop(instrs: list[tuple[int, str]]) -> list[tuple[int, str]]:
 
 def analyse(scheme: str, args: argparse.Namespace, work: Path) -> list[str]:
     src = work / f"{scheme}.cu"
-    src.write_text(render(scheme, args.head_dim, args.gqa, args.page))
+    text = render(scheme, args.head_dim, args.gqa, args.page)
+    if args.reg_cap_warps:
+        cap = "__launch_bounds__(NW * 32, 16 / NW)"
+        if cap not in text:
+            raise SystemExit(f"{scheme}: this kernel has no register cap to change (D > 128 or a group past 8)")
+        text = text.replace(cap, f"__launch_bounds__(NW * 32, {args.reg_cap_warps} / NW)")
+    src.write_text(text)
     cubin = work / f"{scheme}.cubin"
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -177,6 +183,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--instance", default="4,3", help="NW,DEPTH of the instance whose SASS is read (default 4,3)")
     ap.add_argument("--sass-dir", default=None, help="also write that instance's SASS here")
+    ap.add_argument("--reg-cap-warps", type=int, default=None,
+                    help="hold registers to this many warps an SM instead of the template's 16 (__launch_bounds__)")
     args = ap.parse_args(argv)
     os.environ.setdefault("KVGEN_CACHE_DIR", tempfile.mkdtemp(prefix="kvgen-sass-"))
     with tempfile.TemporaryDirectory(prefix="kvgen-sass-") as tmp:
