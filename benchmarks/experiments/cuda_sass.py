@@ -53,8 +53,8 @@ def render(scheme: str, head_dim: int, gqa: int, page: int, kv_heads: int = 8) -
     from kvgen.registry import default_registry
 
     reg = default_registry()
-    spec = KernelSpec(op="decode", scheme=scheme, head_dim=head_dim, num_kv_heads=kv_heads, gqa_group=gqa, page_size=page,
-                      compute_dtype="bfloat16", arch="sm_90", backend="cuda")
+    spec = KernelSpec(op="decode", scheme=scheme, head_dim=head_dim, num_kv_heads=kv_heads, gqa_group=gqa,
+                      page_size=page, compute_dtype="bfloat16", arch="sm_90", backend="cuda")
     why = reason_unsupported(spec, reg.schemes[scheme], reg)
     if why:
         raise SystemExit(f"{scheme}: no CUDA decode for this spec ({why})")
