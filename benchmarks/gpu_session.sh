@@ -311,12 +311,7 @@ if [ "$what" = d64 ]; then
   echo "int2 + D=64 stage GPU tests: exit $? (124: cut)"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-gpu-d64.log" | tail -8
   v=/tmp/kvgen-d64-variants; rm -rf "$v"
   python3 -m benchmarks.experiments.decode_variants render "$v" --schemes bf16,int8,fp8,int4,int2 --base tree \
-    --heads 32,4 --head-dim 64 2>/dev/null
-  for f in "$v"/*--base.cu; do
-    for w in 24 32; do
-      sed "s|__launch_bounds__(NW \* 32, 16 / NW)|__launch_bounds__(NW * 32, $w / NW)|" "$f" >"${f%--base.cu}--regs$w.cu"
-    done
-  done
+    --heads 32,4 --head-dim 64 --reg-caps 24,32 2>/dev/null
   timeout 240 python3 -m benchmarks.experiments.decode_variants time "$v" --shapes 16x8192 --heads 32,4 --head-dim 64 \
     --out "$OUT/variants-d64.json" >"$OUT/variants-d64.log" 2>&1
   echo "D=64 variants: exit $?"; grep -v "^built" "$OUT/variants-d64.log" | tail -16 | cut -c1-160
@@ -329,15 +324,11 @@ if [ "$what" = decode-candidates ]; then
   # before b609346 (64-bit page ids) against the tree's and the tree's with a looser register cap; then Nsight Compute on one tuned launch of the cases
   # that miss issue 16's goals (KVGEN_NCU_CASES="scheme:B,L,Hq,Hkv,D ...").
   v=/tmp/kvgen-d128-variants; rm -rf "$v"
-  # (the base needs the repository's history; without it, the tree's kernel alone)
-  python3 -m benchmarks.experiments.decode_variants render "$v" --schemes int8,int4 --base 8587e12 2>/dev/null \
-    || python3 -m benchmarks.experiments.decode_variants render "$v" --schemes int8,int4 --base tree 2>/dev/null
-  # the register cap at 20 warps an SM instead of 16 (offline: int4 96 registers, 80 bytes spilled, +9% loop)
-  for f in "$v"/*--tree.cu "$v"/*--base.cu; do
-    [ -e "$f" ] || continue  # (a glob that matched nothing)
-    [ -e "${f%--*}--tree.cu" ] && [ "$f" != "${f%--*}--tree.cu" ] && continue  # the tree's kernel where both are
-    sed "s|__launch_bounds__(NW \* 32, 16 / NW)|__launch_bounds__(NW * 32, 20 / NW)|" "$f" >"${f%--*}--regs20.cu"
-  done
+  # the base needs the repository's history (without it, the tree's kernel alone); regs20: the tree's kernel with
+  # its register cap at 20 warps an SM instead of 16 (offline: int4 96 registers, 80 bytes spilled, +9% loop)
+  python3 -m benchmarks.experiments.decode_variants render "$v" --schemes int8,int4 --base 8587e12 --reg-caps 20 \
+    2>/dev/null || { rm -rf "$v"; python3 -m benchmarks.experiments.decode_variants render "$v" --schemes int8,int4 \
+    --base tree --reg-caps 20 2>/dev/null; }
   timeout 240 python3 -m benchmarks.experiments.decode_variants time "$v" --shapes 1x131072,32x4096 \
     --out "$OUT/candidates-d128.json" >"$OUT/candidates-d128.log" 2>&1
   echo "D=128 candidates: exit $?"; grep -v "^built" "$OUT/candidates-d128.log" | tail -8 | cut -c1-160

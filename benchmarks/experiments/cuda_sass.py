@@ -44,6 +44,18 @@ def cuobjdump() -> str | None:
     return str(path) if path.is_file() else None
 
 
+REG_CAP = "__launch_bounds__(NW * 32, 16 / NW)"
+"""The decode kernel's register cap as templates/cuda/decode.cu.j2 renders it (16 warps an SM; D <= 128, G <= 8)."""
+
+
+def with_reg_cap(source: str, warps: int) -> str:
+    """``source`` with its register cap at ``warps`` warps an SM instead of 16; SystemExit where it has none."""
+    if REG_CAP not in source:
+        raise SystemExit("this kernel has no register cap to change (D > 128 or a group past 8, or the template's "
+                         f"cap no longer reads {REG_CAP!r})")
+    return source.replace(REG_CAP, f"__launch_bounds__(NW * 32, {warps} / NW)")
+
+
 def render(scheme: str, head_dim: int, gqa: int, page: int, kv_heads: int = 8) -> str:
     """The ``.cu`` source of the scheme's CUDA decode kernel (a PluginError-free KernelSpec or SystemExit); the
     KV head count is compiled into it (pool strides)."""
@@ -126,12 +138,7 @@ def largest_loop(instrs: list[tuple[int, str]]) -> list[tuple[int, str]]:
 def analyse(scheme: str, args: argparse.Namespace, work: Path) -> list[str]:
     src = work / f"{scheme}.cu"
     text = render(scheme, args.head_dim, args.gqa, args.page)
-    if args.reg_cap_warps:
-        cap = "__launch_bounds__(NW * 32, 16 / NW)"
-        if cap not in text:
-            raise SystemExit(f"{scheme}: this kernel has no register cap to change (D > 128 or a group past 8)")
-        text = text.replace(cap, f"__launch_bounds__(NW * 32, {args.reg_cap_warps} / NW)")
-    src.write_text(text)
+    src.write_text(with_reg_cap(text, args.reg_cap_warps) if args.reg_cap_warps else text)
     cubin = work / f"{scheme}.cubin"
     nvcc = shutil.which("nvcc")
     if nvcc is None:

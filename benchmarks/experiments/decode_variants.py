@@ -2,24 +2,25 @@
 
     # offline (no GPU): render the variants' .cu sources into DIR
     python -m benchmarks.experiments.decode_variants render DIR [--schemes int4,int8] [--base REV|tree] [--heads 64,8]
-                                                      [--head-dim 128]
+                                                      [--head-dim 128] [--reg-caps 20,24]
     # on the GPU: build every source in DIR, check it and time it at each shape
     python -m benchmarks.experiments.decode_variants time DIR [--shapes 32x4096,1x16384] [--out FILE] [--heads 64,8]
                                                     [--head-dim 128]
 
 ``render`` writes, per scheme, ``<scheme>--base.cu`` (the decode kernel as git revision ``--base`` renders it,
 through that revision's own templates, unpacked with ``git archive`` into a temporary folder) and
-``<scheme>--tree.cu`` (the working tree's; ``--base tree`` writes the tree's as the base alone, for a scheme or
-head dim the revision cannot render). Other variants can be added by hand as ``<scheme>--<name>.cu`` (e.g. the
-tree rendered with an edited template). ``time`` loads the scheme's generated CUDA decode module once and points it
-at each source in turn (``SOURCE``: the runtime's CUDA loader builds and caches each), runs it once on a
-NaN-poisoned output against the float32 reference and against the base variant's output; a variant whose output
-is not finite or differs from the base's by more than ``--max-vs-base`` (relative L2) gets an error record and is
-not timed (where the base fails, the next variant is compared and timed as the base). It then times every tuning
-candidate of the module (splits x warps x depths) with the runtime's kernel timer, cold pages cycled as the
-runtime's own tuning does, and reports the best per variant and shape, as a ratio to the base variant measured in
-the same process. ``--heads HQ,HKV`` (query and KV heads, default the ANCHORS' 64,8) and ``--head-dim`` must be
-the same for both steps: they are compiled into the source. ``time`` first builds every source, several nvcc
+``<scheme>--tree.cu`` (the working tree's; ``--base tree`` writes the tree's as the base alone, for a scheme or head
+dim the revision cannot render). ``--reg-caps W,...`` also writes ``<scheme>--regsW.cu``: the tree's kernel with its
+register cap at W warps an SM instead of 16 (``cuda_sass.with_reg_cap``). Other variants can be added by hand as
+``<scheme>--<name>.cu`` (e.g. the tree rendered with an edited template). ``time`` loads the scheme's generated CUDA
+decode module once and points it at each source in turn (``SOURCE``: the runtime's CUDA loader builds and caches
+each), runs it once on a NaN-poisoned output against the float32 reference and against the base variant's output; a
+variant whose output is not finite or differs from the base's by more than ``--max-vs-base`` (relative L2) gets an
+error record and is not timed (where the base fails, the next variant is compared and timed as the base). It then
+times every tuning candidate of the module (splits x warps x depths) with the runtime's kernel timer, cold pages
+cycled as the runtime's own tuning does, and reports the best per variant and shape, as a ratio to the base variant
+measured in the same process. ``--heads HQ,HKV`` (query and KV heads, default the ANCHORS' 64,8) and ``--head-dim``
+must be the same for both steps: they are compiled into the source. ``time`` first builds every source, several nvcc
 processes at once, so the first timed launch of a variant waits on no compile.
 """
 
@@ -53,21 +54,23 @@ def _render_at(root: Path, scheme: str, hq: int, hkv: int, d: int = D) -> str:
                           capture_output=True, text=True).stdout
 
 
-def render(out_dir: Path, schemes: list[str], base: str, hq: int = HQ, hkv: int = HKV, d: int = D) -> None:
+def render(out_dir: Path, schemes: list[str], base: str, hq: int = HQ, hkv: int = HKV, d: int = D,
+           reg_caps: tuple[int, ...] = ()) -> None:
+    from benchmarks.experiments.cuda_sass import with_reg_cap
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    if base == "tree":
-        for s in schemes:
-            (out_dir / f"{s}--base.cu").write_text(_render_at(REPO, s, hq, hkv, d))
-            print(f"{s}: 1 source (the tree's, as the base)", file=sys.stderr)
-        return
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", base], check=True,
-                                 capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        if base != "tree":
+            archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", base], check=True,
+                                     capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         for s in schemes:
-            (out_dir / f"{s}--base.cu").write_text(_render_at(Path(tmp), s, hq, hkv, d))
-            (out_dir / f"{s}--tree.cu").write_text(_render_at(REPO, s, hq, hkv, d))
-            print(f"{s}: 2 sources", file=sys.stderr)
+            tree = _render_at(REPO, s, hq, hkv, d)
+            sources = {"base": tree} if base == "tree" else {"base": _render_at(Path(tmp), s, hq, hkv, d), "tree": tree}
+            sources.update({f"regs{w}": with_reg_cap(tree, w) for w in reg_caps})
+            for name, text in sources.items():
+                (out_dir / f"{s}--{name}.cu").write_text(text)
+            print(f"{s}: {', '.join(sources)}", file=sys.stderr)
 
 
 def build_all(files: list[Path], arch: str = "sm_90a") -> None:
@@ -159,6 +162,7 @@ def main(argv=None) -> int:
     r.add_argument("--base", default="HEAD")
     r.add_argument("--heads", default=f"{HQ},{HKV}", help="query and KV heads, HQ,HKV")
     r.add_argument("--head-dim", type=int, default=D)
+    r.add_argument("--reg-caps", default="", help="also the tree's kernel at these register caps (warps an SM)")
     t = sub.add_parser("time")
     t.add_argument("dir", type=Path)
     t.add_argument("--shapes", default="32x4096,1x16384")
@@ -169,7 +173,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     hq, hkv = (int(x) for x in a.heads.split(","))
     if a.cmd == "render":
-        render(a.dir, a.schemes.split(","), a.base, hq, hkv, a.head_dim)
+        render(a.dir, a.schemes.split(","), a.base, hq, hkv, a.head_dim,
+               tuple(int(w) for w in a.reg_caps.split(",") if w))
     else:
         shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
         time_variants(a.dir, shapes, a.out, a.max_vs_base, hq, hkv, a.head_dim)
