@@ -40,7 +40,7 @@ if [ "$what" = open-checks ]; then
   # (bf16/int8/int4, every candidate, staged included), the first int4 CUDA decode timing; issue 14 -- the
   # engine GPU tests and the KV-bound throughput (int4 vs bf16 KV) with the staged prefill.
   timeout 140 python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
-    tests/kernels/test_prefill_staged.py tests/test_cuda_backend.py >"$OUT/pytest-gpu-staged-cuda.log" 2>&1
+    tests/kernels/test_prefill_staged.py tests/test_cuda_backend.py tests/kernels/test_cuda_decode.py >"$OUT/pytest-gpu-staged-cuda.log" 2>&1
   echo "staged prefill + CUDA backend GPU tests: exit $? (124: cut)"; tail -3 "$OUT/pytest-gpu-staged-cuda.log"
   timeout 100 python3 -m benchmarks.run --ops prefill --schemes bf16,int8,int4 --out "$OUT/prefill" \
     >"$OUT/prefill.log" 2>&1; echo "prefill bench: exit $?"; grep -E "prefill" "$OUT/prefill.log" | tail -6 | cut -c1-260
@@ -131,7 +131,7 @@ if [ "$what" = cuda-engine ]; then
   # then the engine's steps (bf16 and int4 KV, async scheduling) and the KV-bound throughput with it.
   par=""; python3 -c "import xdist" 2>/dev/null && par="-n 12"
   timeout 130 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
-    tests/test_cuda_backend.py tests/engine/test_gpu.py >"$OUT/pytest-gpu-cuda-engine.log" 2>&1
+    tests/test_cuda_backend.py tests/kernels/test_cuda_decode.py tests/engine/test_gpu.py >"$OUT/pytest-gpu-cuda-engine.log" 2>&1
   echo "CUDA backend + engine GPU tests: exit $? (124: cut)"; tail -3 "$OUT/pytest-gpu-cuda-engine.log"
   timeout 170 python3 -m benchmarks.engine --parts step --no-hf --kv bf16,int4 --async-scheduling \
     --kernel-backend cuda --out "$OUT/engine_step_cuda.json" >"$OUT/engine_step_cuda.log" 2>&1
@@ -148,7 +148,7 @@ if [ "$what" = recheck ]; then
   # throughput after the scheduler fix c64bb93 (issue 14: int4 KV's decode phase against bf16's, goal 2x).
   par=""; python3 -c "import xdist" 2>/dev/null && par="-n 12"
   timeout 170 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
-    tests/test_kernel_timer.py tests/test_cuda_backend.py tests/engine/test_gpu.py tests/engine/test_kernel_backend.py \
+    tests/test_kernel_timer.py tests/test_cuda_backend.py tests/kernels/test_cuda_decode.py tests/engine/test_gpu.py tests/engine/test_kernel_backend.py \
     >"$OUT/pytest-gpu-recheck.log" 2>&1; echo "timer + CUDA backend + engine GPU tests: exit $? (124: cut)"
   tail -3 "$OUT/pytest-gpu-recheck.log"
   timeout 130 python3 -m benchmarks.run --ops decode --schemes bf16,int8,int4 --backend auto --out "$OUT/decode_auto" \
@@ -229,7 +229,7 @@ if [ "$what" = readers ]; then
   # Everything is archived into readers.tgz (the device tool returns only 8 files).
   par=""; python3 -c "import xdist" 2>/dev/null && par="-n 12"
   timeout ${KVGEN_READERS_TEST_TIMEOUT:-170} python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE \
-    --tb=short tests/test_cuda_backend.py >"$OUT/pytest-gpu-cuda.log" 2>&1
+    --tb=short tests/test_cuda_backend.py tests/kernels/test_cuda_decode.py >"$OUT/pytest-gpu-cuda.log" 2>&1
   echo "CUDA backend GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-cuda.log" | tail -8 | cut -c1-200
   timeout 230 python3 -m benchmarks.run --ops decode --schemes bf16,fp8,int8,int4,int2 --backend auto \
     --out "$OUT/decode_auto" >"$OUT/decode_auto.log" 2>&1; echo "decode, --backend auto: exit $?"
@@ -247,7 +247,7 @@ if [ "$what" = mends7 ]; then
   # reader split by arch).
   par=""; python3 -c "import xdist" 2>/dev/null && par="-n 12"
   timeout 200 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -q -rfE --tb=short \
-    tests/test_cuda_backend.py -k "window or int8-128-16 or fp8" >"$OUT/pytest-gpu-mends7.log" 2>&1
+    tests/test_cuda_backend.py tests/kernels/test_cuda_decode.py -k "window or int8-128-16 or fp8" >"$OUT/pytest-gpu-mends7.log" 2>&1
   echo "seventh-set mends, CUDA GPU tests: exit $? (124: cut)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-gpu-mends7.log" | tail -8 | cut -c1-200
 fi
 if [ "$what" = gemv ]; then
@@ -307,7 +307,7 @@ if [ "$what" = d64 ]; then
   # `decode-candidates` in the call after.
   par=""; python3 -c "import xdist" 2>/dev/null && par="-n 8"
   timeout 170 python3 -m pytest -m gpu $par -p no:cacheprovider -o addopts="" -v -rfE --tb=short \
-    tests/test_cuda_backend.py -k "int2 or deeper_rings" >"$OUT/pytest-gpu-d64.log" 2>&1
+    tests/test_cuda_backend.py tests/kernels/test_cuda_decode.py -k "int2 or deeper_rings" >"$OUT/pytest-gpu-d64.log" 2>&1
   echo "int2 + D=64 stage GPU tests: exit $? (124: cut)"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-gpu-d64.log" | tail -8
   v=/tmp/kvgen-d64-variants; rm -rf "$v"
   python3 -m benchmarks.experiments.decode_variants render "$v" --schemes bf16,int8,fp8,int4,int2 --base tree \

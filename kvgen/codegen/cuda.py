@@ -93,14 +93,21 @@ def cu_header(spec: KernelSpec, template_hash: str) -> str:
 
 
 def render(spec: KernelSpec, scheme: Scheme, L: LayoutContext, R: LayoutContext, env: jinja2.Environment,
-           py_header: str, template_hash: str) -> dict[str, str]:
+           py_header: str, template_hash: str, *, warps: tuple[int, ...] = WARPS,
+           depths: tuple[int, ...] | None = None) -> dict[str, str]:
     """``{".py": module source, ".cu": CUDA source}`` of a CUDA spec (``R``: the residual pool's layout);
-    ValueError if it is unsupported."""
+    ValueError if it is unsupported. ``warps`` x ``depths`` (default :data:`WARPS` x :func:`depths_for`) are the
+    template instances the library is built for, and the configs its module takes (a subset builds faster: the
+    host emulation of tests/cuda_emu builds the one config a test runs)."""
     reason = unsupported(spec, scheme, L, env)
     if reason:
         raise ValueError(f"{spec.name} cannot use the CUDA backend: {reason}")
+    built = depths_for(L)
+    depths = built if depths is None else depths
+    if not warps or not depths or not set(warps) <= set(WARPS) or not set(depths) <= set(built):
+        raise ValueError(f"instances {warps} x {depths} are not a subset of {WARPS} x {built}")
     ctx = dict(spec=spec, L=L, R=R, residual=scheme.residual_tokens is not None, scheme=scheme,
-               cuda_macros=macro_template(scheme), warps=WARPS, depths=depths_for(L), abi_version=ABI_VERSION,
+               cuda_macros=macro_template(scheme), warps=warps, depths=depths, abi_version=ABI_VERSION,
                max_splits=MAX_SPLITS)
     cu = env.get_template(f"cuda/{spec.op}.cu.j2").render(**ctx)
     py = env.get_template(f"cuda/{spec.op}.py.j2").render(**ctx)

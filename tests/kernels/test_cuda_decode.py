@@ -1,0 +1,260 @@
+"""CUDA decode numerics, on two runners.
+
+Every CUDA reader against the scheme's float64 reference (relative L2 within
+the scheme's tolerance) with poisoned outputs and pools: page-boundary
+lengths, ragged batches, splits, warps, pipeline depths, sliding windows,
+softcaps and the readers' numerics contracts.
+
+- ``emulated`` (CPU, CI): the kernels rendered from the same templates with
+  the host platform of ``tests/cuda_emu`` in place of
+  ``templates/cuda/platform.j2`` (one host thread per CUDA thread; mma,
+  movmatrix, shuffles and cp.async modelled in C++), built by g++ and run on
+  CPU tensors. Skips where g++ or the CUDA toolkit's headers are missing.
+  A few long cases are shortened there (``long_len``).
+- ``gpu`` (``pytest -m gpu`` on the device, ``KVGEN_TEST_DEVICE=cuda``): the
+  real kernels, built by nvcc for the device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvgen.codegen.spec import KernelSpec
+from kvgen.registry import default_registry
+
+from ..cuda_emu import emulate
+from . import harness as hz
+from .reference import reference_attention
+
+
+class Runner:
+    """Loads and runs CUDA decode kernels on the device (``gpu``) or on the CPU through the emulation."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.gpu = kind == "gpu"
+        if self.gpu:
+            hz.require_cuda()
+        elif emulate.toolchain() is None:
+            pytest.skip("the CUDA emulation needs g++ and the CUDA toolkit's headers (nvcc's install)")
+        self.device = "cuda" if self.gpu else "cpu"
+        self.arch = hz.arch_name("cuda") if self.gpu else "sm_90a"
+
+    def load(self, spec: KernelSpec, config: dict | None = None, every_config=False, defines: tuple[str, ...] = ()):
+        """The kernel of ``spec``; the emulation builds ``config``'s instance alone unless ``every_config``."""
+        scheme = default_registry().schemes[spec.scheme]
+        if self.gpu:
+            assert not defines, "defines are for the emulation"
+            from kvgen.codegen.loader import load_kernel
+
+            return load_kernel(spec, scheme)
+        return emulate.load(spec, scheme, EMU_BUILD_DIR, config=config, every_config=every_config, defines=defines)
+
+    def sync(self) -> None:
+        if self.gpu:
+            torch.cuda.synchronize()
+
+    def long_len(self, n: int, short: int) -> int:
+        """A long sequence's length: ``n`` on the GPU, ``short`` in the emulation (a host thread a lane runs
+        about a thousand tiles a second)."""
+        return n if self.gpu else short
+
+
+# Emulation libraries are keyed by their source, the emulation header and the compiler: one folder for every
+# pytest worker and run, so each is built once.
+EMU_BUILD_DIR = Path(tempfile.gettempdir()) / f"kvgen-cuda-emu-{os.getuid()}"
+
+
+@pytest.fixture(params=["emulated", pytest.param("gpu", marks=pytest.mark.gpu)])
+def runner(request) -> Runner:
+    return Runner(request.param)
+
+
+CASES = [  # scheme, head_dim, gqa, page, compute dtype, kv heads
+    ("bf16", 128, 8, 16, "bfloat16", 8),
+    ("fp16", 128, 8, 16, "float16", 8),
+    ("int8", 128, 8, 16, "bfloat16", 8),
+    ("int8", 64, 8, 16, "float16", 4),
+    ("fp8", 128, 8, 16, "bfloat16", 8),
+    ("fp8", 64, 4, 8, "float16", 2),
+    ("bf16", 64, 4, 32, "bfloat16", 2),
+    ("int8", 128, 4, 8, "bfloat16", 2),
+    ("int8", 128, 16, 16, "float16", 2),  # two MMA column tiles of the group, each with its key-bias start
+    ("fp16", 256, 1, 16, "float16", 2),
+    ("bf16", 128, 20, 16, "bfloat16", 1),
+    ("int4", 128, 8, 16, "bfloat16", 8),   # KIVI: compressed pages, then the residual tail page
+    ("int4", 64, 4, 32, "float16", 2),
+    ("int4", 256, 2, 16, "bfloat16", 2),
+    ("int2", 128, 8, 16, "bfloat16", 8),   # 2-bit codes; lengths past 128 tokens reach the compressed pages
+    ("int2", 128, 4, 32, "float16", 2),
+    ("int2", 64, 4, 16, "float16", 4),     # 2-byte value chunks: the low half of a word
+    ("int2", 256, 2, 16, "bfloat16", 2),
+]
+
+
+def decode(runner: Runner, scheme, head_dim, gqa, page, dtype, heads, lengths, *, config=None, window=0,
+           softcap=0.0, q_scale=1.0, q_shift=0.0, seed=0, defines=(), every_config=False):
+    """One decode of a random poisoned cache against the float64 reference; returns (out, ref, cache, q, sm_scale).
+    ``every_config``: the emulation builds every instance (for tests that run several configs of one spec)."""
+    reg = default_registry()
+    if scheme not in reg.schemes:
+        pytest.skip(f"scheme {scheme} not installed")
+    spec = KernelSpec(op="decode", scheme=scheme, head_dim=head_dim, num_kv_heads=heads, gqa_group=gqa,
+                      page_size=page, compute_dtype=dtype, arch=runner.arch, backend="cuda",
+                      sliding_window=window, softcap=softcap)
+    mod = runner.load(spec, config, every_config, defines)
+    cache = hz.make_cache(scheme, head_dim, heads, page, lengths, dtype, device=runner.device, seed=seed)
+    q = hz.random_q(len(lengths), heads * gqa, head_dim, torch.float32, "cpu", seed=seed + 1) * q_scale + q_shift
+    q = q.to(getattr(torch, dtype)).to(runner.device)
+    out = hz.poisoned_like(q)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    mod.launch(q, out, cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, sm_scale, config=config)
+    runner.sync()
+    ref = reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], window=window, softcap=softcap,
+                              sm_scale=sm_scale)
+    err = hz.rel_l2(out, ref)
+    tol = hz.tolerance(reg.schemes[scheme], getattr(torch, dtype))
+    assert err <= tol, f"{spec.name} lengths {lengths} config {config}: rel L2 {err:.3g} > {tol:.3g}"
+    assert torch.isfinite(out).all()
+    return out, ref, cache, q, sm_scale
+
+
+def boundary_lengths(page):
+    return [1, page - 1, page, page + 1, 16, 17, 3 * page + 1, 100 * page + 7]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_decode_page_boundaries_and_ragged(runner, case):
+    scheme, d, g, p, dtype, h = case
+    decode(runner, scheme, d, g, p, dtype, h, boundary_lengths(p))
+
+
+def _split_lengths(runner):
+    # per-warp tile counts below, at and past every depth, so that a pipeline ends on any stage
+    return [runner.long_len(4099, 1029), 1, 0, 640, 33, 16 * 4 * 3 + 5]
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "int8", "fp8", "int4", "int2"])
+@pytest.mark.parametrize("splits,warps,depth", [(1, 4, 2), (1, 8, 3), (3, 4, 4), (16, 8, 2), (128, 4, 4), (2, 8, 4)])
+def test_cuda_decode_splits_warps_and_depth(runner, scheme, splits, warps, depth):
+    depth = 2 if scheme == "bf16" else depth  # 16-bit pages past D=64 are built for 2 stages only
+    decode(runner, scheme, 128, 8, 16, "bfloat16", 4, _split_lengths(runner),
+           config={"num_splits": splits, "num_warps": warps, "depth": depth}, every_config=True)
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp16"])
+@pytest.mark.parametrize("splits,warps,depth", [(1, 4, 3), (3, 8, 4), (16, 4, 4)])
+def test_cuda_decode_16bit_pages_deeper_rings_at_d64(runner, scheme, splits, warps, depth):
+    # 16-bit pages at D=64 are built for 3 and 4 stages too (depths_for); pipelines ending on every stage
+    dtype = "bfloat16" if scheme == "bf16" else "float16"
+    decode(runner, scheme, 64, 8, 16, dtype, 4, _split_lengths(runner),
+           config={"num_splits": splits, "num_warps": warps, "depth": depth}, every_config=True)
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int8", "fp8", "int4", "int2"])
+def test_cuda_decode_window_and_softcap(runner, scheme):
+    p = 16
+    # int2 keeps its last 128 tokens exact: windows past them reach the 2-bit pages
+    windows = ((200, 0.0), (0, 20.0), (300, 30.0)) if scheme == "int2" else ((40, 0.0), (0, 20.0), (100, 30.0))
+    # int8 and fp8 also at page 8: tiles span pages there, and each row's page is looked up on its own
+    pages = (8, p) if scheme in ("int8", "fp8") else (p,)
+    for (window, softcap), page in itertools.product(windows, pages):
+        decode(runner, scheme, 128 if scheme == "int2" else 64, 4, page, "float16", 2, [7, 41, 300, 1025],
+               window=window, softcap=softcap, q_scale=3.0, config={"num_splits": 4, "num_warps": 4, "depth": 2})
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_cuda_decode_biased_key_operands_cancel(runner, scheme):
+    """int8 hands the score MMAs 1152 + code and starts every score at -1152 * sum(q) (decode.cu.j2, key operand
+    bias). q with a large common offset makes that start far larger than any score: the float16-compute error must
+    stay within the scheme's 2e-3 all the same. fp8 (no bias) runs the same inputs as the control."""
+    decode(runner, scheme, 128, 8, 16, "float16", 2, [runner.long_len(5000, 1500), 17, 1, 1000], q_scale=2.0,
+           q_shift=3.0)
+    decode(runner, scheme, 64, 4, 8, "float16", 2, [runner.long_len(4099, 1029), 33], q_scale=0.5, q_shift=-2.0,
+           seed=3)
+
+
+def test_cuda_decode_fp8_reader_before_sm_89(runner):
+    """The fp8 reader's path for devices without the e4m3 conversion (bit arithmetic on whole words, codes paired
+    (0, 2) and (1, 3)): the emulation builds it by defining KVGEN_FP8_CVT=0, which on a GPU only an sm_80 build
+    does."""
+    if runner.gpu:
+        pytest.skip("an sm_90 device takes the conversion path; tests/test_cuda_backend.py builds this one for sm_80")
+    for d, g, p, dtype in ((128, 8, 16, "bfloat16"), (64, 4, 8, "float16")):
+        decode(runner, "fp8", d, g, p, dtype, 2, boundary_lengths(p), defines=("KVGEN_FP8_CVT=0",))
+        decode(runner, "fp8", d, g, p, dtype, 2, [1029, 5], q_scale=3.0, defines=("KVGEN_FP8_CVT=0",),
+               config={"num_splits": 3, "num_warps": 8, "depth": 3})
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp16", "int8", "fp8", "int4", "int2"])
+def test_cuda_decode_peaked_attention_with_large_q(runner, scheme):
+    """q x 4 (fp16) and x 2.5 (bf16): scores several log2 units apart and a row max that keeps rising over 4K
+    tokens in one split (for KIVI, q at the top of its usual range in the folded score operands, decode.cu.j2)."""
+    for q_scale, dtype in ((4.0, "float16"), (2.5, "bfloat16")):
+        if {"bf16": "bfloat16", "fp16": "float16"}.get(scheme, dtype) != dtype:
+            continue  # 16-bit pages compute in their own dtype
+        decode(runner, scheme, 128, 8, 16, dtype, 2, [runner.long_len(4099, 2051), 300, 17], q_scale=q_scale,
+               config={"num_splits": 1, "num_warps": 4, "depth": 2})
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int2"])
+def test_cuda_decode_kivi_finite_at_capped_key_scales_and_large_q(runner, scheme):
+    """Keys whose page scales reach the cap (K/V x 2e4) against q x 500 (|q * sm_scale * log2(e)| up to ~250):
+    finite K/V must give a finite output (the Numerics contract). A fixed factor of 2^-4 for q made the fold's fp16
+    products q' * scale reach 1e5 here (checked on the CPU with the same cache): NaN scores. q's power-of-two
+    factor per warp bounds them by 65504."""
+    spec = KernelSpec(op="decode", scheme=scheme, head_dim=128, num_kv_heads=2, gqa_group=8, page_size=16,
+                      compute_dtype="bfloat16", arch=runner.arch, backend="cuda")
+    mod = runner.load(spec)
+    cache = hz.make_cache(scheme, 128, 2, 16, [300, 200], "bfloat16", device=runner.device, seed=0, scale=2e4)
+    q = (hz.random_q(2, 16, 128, torch.float32, "cpu", seed=1) * 500).to(torch.bfloat16).to(runner.device)
+    out = hz.poisoned_like(q)
+    mod.launch(q, out, cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, 1 / math.sqrt(128))
+    runner.sync()
+    assert torch.isfinite(out).all(), "finite K/V gave a non-finite decode output"
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "int8", "fp8", "int4"])
+def test_cuda_decode_diffuse_attention_over_long_rows(runner, scheme):
+    """Nearly uniform attention over 16K tokens in one split (4K in the emulation): each warp accumulates a
+    quarter of them into an output far smaller than any one value, where accumulation error shows (a value-side
+    operand bias failed this way)."""
+    decode(runner, scheme, 128, 8, 16, "float16", 2, [runner.long_len(16384, 4096), 5], q_scale=0.05,
+           config={"num_splits": 1, "num_warps": 4, "depth": 2})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["bf16", "int8", "int4", "int2"])
+def test_gpu_cuda_decode_real_size_matches_triton(scheme):
+    """The Llama-3-70B shard shape at long contexts: CUDA and Triton agree on one cache, both near the reference
+    (GPU only: the Triton interpreter would take hours at this size)."""
+    from kvgen.codegen.loader import load_kernel
+
+    runner = Runner("gpu")
+    out_c, ref, cache, q, sm_scale = decode(runner, scheme, 128, 8, 16, "bfloat16", 8, [4096] * 6 + [8191, 1])
+    spec = KernelSpec(op="decode", scheme=scheme, head_dim=128, num_kv_heads=8, gqa_group=8, page_size=16,
+                      compute_dtype="bfloat16", arch=hz.arch_name("cuda"))
+    out_t = hz.poisoned_like(q)
+    load_kernel(spec, default_registry().schemes[scheme]).launch(
+        q, out_t, cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, sm_scale)
+    torch.cuda.synchronize()
+    assert hz.rel_l2(out_c, out_t) < 1e-2, "CUDA and Triton decode disagree"
+    assert hz.rel_l2(out_t, ref) < 2e-2
+
+
+def test_cuda_config_too_large_for_shared_memory_fails_alone(runner):
+    """16-bit pages at D=256, 8 warps x 2 stages need 256 KB of shared memory, more than any GPU has (the emulation
+    holds a block to an H100's 227 KB): that launch fails with a CUDA error (the tuner skips such a candidate), and
+    the next launch of the same library runs and is right instead of reporting the old error."""
+    from kvgen.runtime.cuda_loader import CudaBuildError
+
+    with pytest.raises(CudaBuildError if runner.gpu else RuntimeError, match="kernel launch failed"):
+        decode(runner, "fp16", 256, 2, 16, "float16", 2, [33, 300], config={"num_splits": 1, "num_warps": 8, "depth": 2})
+    decode(runner, "fp16", 256, 2, 16, "float16", 2, [33, 300], config={"num_splits": 1, "num_warps": 4, "depth": 2})
