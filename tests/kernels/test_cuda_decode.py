@@ -158,6 +158,17 @@ def test_cuda_decode_16bit_pages_deeper_rings_at_d64(runner, scheme, splits, war
            config={"num_splits": splits, "num_warps": warps, "depth": depth}, every_config=True)
 
 
+@pytest.mark.parametrize("scheme", ["int4", "int2"])
+@pytest.mark.parametrize("splits,warps,depth", [(1, 8, 4), (3, 4, 3), (16, 8, 2)])
+def test_cuda_decode_kivi_at_d64_splits_warps_and_depth(runner, scheme, splits, warps, depth):
+    # D=64: a lane's value chunk is 4 bytes (int4) or the low 2 bytes of a word (int2, since d8c4ea5)
+    decode(runner, scheme, 64, 8, 16, "float16", 4, _split_lengths(runner),
+           config={"num_splits": splits, "num_warps": warps, "depth": depth}, every_config=True)
+    if splits == 3:  # a window reaching the compressed pages, with a softcap
+        decode(runner, scheme, 64, 4, 16, "bfloat16", 2, [7, 300, 1025], window=200, softcap=30.0, q_scale=3.0,
+               config={"num_splits": splits, "num_warps": warps, "depth": depth})
+
+
 @pytest.mark.parametrize("scheme", ["fp16", "int8", "fp8", "int4", "int2"])
 def test_cuda_decode_window_and_softcap(runner, scheme):
     p = 16
