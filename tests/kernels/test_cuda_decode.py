@@ -269,3 +269,40 @@ def test_cuda_config_too_large_for_shared_memory_fails_alone(runner):
     with pytest.raises(CudaBuildError if runner.gpu else RuntimeError, match="kernel launch failed"):
         decode(runner, "fp16", 256, 2, 16, "float16", 2, [33, 300], config={"num_splits": 1, "num_warps": 8, "depth": 2})
     decode(runner, "fp16", 256, 2, 16, "float16", 2, [33, 300], config={"num_splits": 1, "num_warps": 4, "depth": 2})
+
+
+def _random_case(seed: int):
+    """A supported geometry drawn from ``seed``: every scheme, head dims 32-256, groups of 1-20 (several MMA column
+    tiles past 8), pages of 1-64 tokens, windows and softcaps, ragged lengths with empty sequences, any built
+    config whose shared memory fits an H100."""
+    import random
+
+    from kvgen.codegen import cuda as cuda_backend
+    from kvgen.codegen.render import environment, layouts
+
+    rng = random.Random(seed)
+    reg = default_registry()
+    while True:
+        scheme = rng.choice(["bf16", "fp16", "int8", "fp8", "int4", "int2"])
+        d, g = rng.choice([32, 64, 128, 256]), rng.choice([1, 2, 3, 5, 6, 8, 12, 20])
+        page = rng.choice([1, 4, 8, 16, 32, 64])
+        dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(scheme, rng.choice(["bfloat16", "float16"]))
+        spec = KernelSpec(op="decode", scheme=scheme, head_dim=d, num_kv_heads=rng.choice([1, 3]), gqa_group=g,
+                          page_size=page, compute_dtype=dtype, arch="sm_90a", backend="cuda",
+                          sliding_window=rng.choice([0, 0, 1, 16, 33, 200]), softcap=rng.choice([0.0, 0.0, 30.0]))
+        L, _ = layouts(spec, reg.schemes[scheme])
+        if cuda_backend.unsupported(spec, reg.schemes[scheme], L, environment(reg)):
+            continue
+        config = {"num_splits": rng.choice([1, 2, 5, 16]), "num_warps": rng.choice(cuda_backend.WARPS),
+                  "depth": rng.choice(cuda_backend.depths_for(L))}
+        if d == 256 and config["num_warps"] == 8:
+            continue  # 8 warps of D=256 stages can exceed a block's shared memory (the too-large test covers it)
+        lengths = [rng.choice([0, 1, 15, 16, 17, 63, 64, 65, 129, 130, 257, 1025]) for _ in range(rng.randint(1, 4))]
+        return spec, config, lengths if any(lengths) else lengths + [7]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cuda_decode_random_geometries(runner, seed):
+    spec, config, lengths = _random_case(seed)
+    decode(runner, spec.scheme, spec.head_dim, spec.gqa_group, spec.page_size, spec.compute_dtype, spec.num_kv_heads,
+           lengths, config=config, window=spec.sliding_window, softcap=spec.softcap, q_scale=2.0, seed=seed)
