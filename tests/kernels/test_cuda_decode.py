@@ -136,6 +136,35 @@ def test_cuda_decode_page_boundaries_and_ragged(runner, case):
     decode(runner, scheme, d, g, p, dtype, h, boundary_lengths(p))
 
 
+def _registered_cases():
+    """The real-size geometry (64/8 heads' group of 8, D=128, page 16, or the scheme's own) of every registered
+    scheme whose CUDA macros can render it, third-party plugins' included (docs/plugin-guide.md, CUDA macros)."""
+    from kvgen.codegen import cuda as cuda_backend
+    from kvgen.codegen.render import environment, layouts
+
+    reg = default_registry()
+    params = []
+    for scheme in hz.all_schemes():
+        case = hz.gpu_case(scheme.name)
+        page_dtype = scheme.page_tensors(case.head_dim, case.page_size)[0].dtype
+        dtype = page_dtype if page_dtype in ("float16", "bfloat16") else "float16"
+        spec = KernelSpec(op="decode", scheme=scheme.name, head_dim=case.head_dim, num_kv_heads=2, gqa_group=8,
+                          page_size=case.page_size, compute_dtype=dtype, arch="sm_90a", backend="cuda")
+        L, _ = layouts(spec, scheme)
+        if cuda_backend.unsupported(spec, scheme, L, environment(reg)) is None:
+            params.append(pytest.param((scheme.name, case.head_dim, 8, case.page_size, dtype, 2), id=scheme.name))
+    return params
+
+
+@pytest.mark.parametrize("case", _registered_cases())
+def test_cuda_decode_every_registered_scheme(runner, case):
+    """Whatever registers CUDA macros is checked here without a test of its own: page boundaries and a ragged batch
+    past the scheme's residual window."""
+    scheme, d, g, p, dtype, h = case
+    ragged = hz.lengths_for("ragged", hz.get_scheme(scheme), p)
+    decode(runner, scheme, d, g, p, dtype, h, sorted(set(boundary_lengths(p) + ragged)))
+
+
 def _split_lengths(runner):
     # per-warp tile counts below, at and past every depth, so that a pipeline ends on any stage
     return [runner.long_len(4099, 1029), 1, 0, 640, 33, 16 * 4 * 3 + 5]
