@@ -178,6 +178,17 @@ class EmulatedDecode:
             raise RuntimeError(f"emulated kernel launch failed: {self.error_string(rc)} (code {rc})")
         return out
 
+    def lds_stats(self, reset: bool = True) -> dict[str, dict[str, int]]:
+        """The emulation's count of shared-memory reads since the last reset, for every read (``"all"``) and by
+        width (``"2"``, ``"4"``, ``"8"``, ``"16"`` bytes): warp-wide ``reads``, the ``ideal`` passes they need and
+        the ``wavefronts`` their bank conflicts make them take (kvgen_emu.h, account)."""
+        out = (ctypes.c_ulonglong * 15)()
+        lib = self.fn._kvgen_lib
+        lib.kvgen_emu_lds_stats.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int]
+        lib.kvgen_emu_lds_stats(out, int(reset))
+        return {key: {"reads": out[3 * i], "ideal": out[3 * i + 1], "wavefronts": out[3 * i + 2]}
+                for i, key in enumerate(("all", "2", "4", "8", "16"))}
+
     def error_string(self, code: int) -> str:
         lib = self.fn._kvgen_lib
         lib.kvgen_error_string.restype = ctypes.c_char_p

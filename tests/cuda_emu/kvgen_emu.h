@@ -34,6 +34,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -52,13 +53,24 @@ constexpr size_t kSmemOptIn = 227 * 1024;     // the most an H100 block may opt 
 constexpr size_t kCanary = 64;                // poisoned guard bytes either side of a block's shared memory
 constexpr unsigned char kCanaryByte = 0xA5;
 
+// One warp-wide shared-memory read: each lane's byte offset into the block's shared memory.
+struct LdsOp {
+  int bytes = 0;
+  int joined = 0;
+  long long offset[32];
+};
+
 struct Warp {
-  explicit Warp(int lanes) : bar(lanes) {}  // the last warp of a block may be partial
+  explicit Warp(int n) : bar(n), lanes(n) {}  // the last warp of a block may be partial
   Barrier bar;
   // each lane's operands of a collective, in two buffers used by turns: a lane writes the next collective's while
   // slower lanes still read this one's, and cannot come round to this buffer again before they pass the next
   // barrier, so one barrier a collective suffices
   uint32_t slot[2][32][8];
+  // shared-memory reads (lds_words) not yet joined by every lane: the warp's n-th read is each lane's n-th
+  std::deque<LdsOp> lds;
+  unsigned long long lds_done = 0;  // reads every lane has made (popped from the front of `lds`)
+  int lanes;
 };
 
 struct Block {
@@ -105,6 +117,7 @@ struct Thread {
   std::vector<Copy> open;                 // cp.async copies not yet committed
   std::vector<std::vector<Copy>> groups;  // committed groups, oldest first
   unsigned turn = 0;                      // collectives this lane has joined (the slot buffer is turn % 2)
+  unsigned long long lds_made = 0;        // shared-memory reads this lane has made
 };
 inline Thread& me() { return *static_cast<Thread*>(Scheduler::active()->current->user); }
 
@@ -189,6 +202,57 @@ inline void perform(const Copy& cp) {
     std::memset(cp.dst, 0, cp.bytes);
 }
 
+// Bank conflicts of the shared-memory reads (lds_words), counted as the hardware serves them: a read of 4 bytes or
+// less a lane in one pass of the warp, of 8 bytes in two (half warps), of 16 in four (quarter warps); a pass takes
+// as many wavefronts as its most-used bank has distinct 4-byte words (a word several lanes read is broadcast).
+// `ideal` is the passes alone.
+struct LdsStats {
+  unsigned long long reads = 0, ideal = 0, wavefronts = 0;
+};
+inline LdsStats lds_stats[5];  // every read, then by width: 2, 4, 8, 16 bytes
+inline int width_index(int bytes) { return bytes == 2 ? 1 : bytes == 4 ? 2 : bytes == 8 ? 3 : 4; }
+
+inline void account(const LdsOp& op, int lanes) {
+  const int per_pass = op.bytes <= 4 ? 32 : op.bytes == 8 ? 16 : 8;
+  LdsStats& all = lds_stats[0];
+  LdsStats& by_width = lds_stats[width_index(op.bytes)];
+  ++all.reads;
+  ++by_width.reads;
+  for (int first = 0; first < lanes; first += per_pass) {
+    long long words[32][32];  // per bank, the distinct words read
+    int n[32] = {};
+    for (int l = first; l < std::min(first + per_pass, lanes); ++l) {
+      for (long long w = op.offset[l] / 4; w <= (op.offset[l] + op.bytes - 1) / 4; ++w) {
+        const int bank = int(w % 32);
+        bool seen = false;
+        for (int i = 0; i < n[bank]; ++i) seen = seen || words[bank][i] == w;
+        if (!seen && n[bank] < 32) words[bank][n[bank]++] = w;
+      }
+    }
+    const int waves = std::max(1, *std::max_element(n, n + 32));
+    ++all.ideal;
+    ++by_width.ideal;
+    all.wavefronts += waves;
+    by_width.wavefronts += waves;
+  }
+}
+
+inline void record_lds(const unsigned char* p, int bytes) {
+  Thread& t = me();
+  Warp& w = *t.warp;
+  const unsigned long long i = t.lds_made++ - w.lds_done;
+  while (w.lds.size() <= i) w.lds.emplace_back();
+  LdsOp& op = w.lds[i];
+  op.bytes = bytes;
+  op.offset[t.lane] = p - t.block->smem;
+  ++op.joined;
+  while (!w.lds.empty() && w.lds.front().joined == w.lanes) {
+    account(w.lds.front(), w.lanes);
+    w.lds.pop_front();
+    ++w.lds_done;
+  }
+}
+
 // kernel pointer -> the dynamic shared memory it may launch with
 inline std::mutex attr_mutex;
 inline std::map<const void*, size_t> smem_limits;
@@ -208,6 +272,10 @@ inline void run_grid(dim3 grid, dim3 block, size_t smem, const std::function<voi
   for (int t = 0; t < threads; ++t) sched.fibers[t].user = &state[t];
   for (unsigned i = 0; i < grid.x * grid.y * grid.z; ++i) {
     blk.poison();
+    for (auto& w : blk.warps) {
+      w->lds.clear();  // reads some lanes never joined (a divergent warp) are not counted
+      w->lds_done = 0;
+    }
     for (int t = 0; t < threads; ++t) {
       Thread& th = state[t];
       th = Thread();
@@ -236,6 +304,7 @@ inline void run_grid(dim3 grid, dim3 block, size_t smem, const std::function<voi
 
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
+inline float __uint_as_float(unsigned x) { return kvgen_emu::from_bits<float>(x); }
 inline float __int_as_float(int x) { return kvgen_emu::from_bits<float>(static_cast<uint32_t>(x)); }
 inline int __float_as_int(float x) { return static_cast<int>(kvgen_emu::bits_of(x)); }
 inline float __log2f(float x) { return log2f(x); }
@@ -339,6 +408,33 @@ cudaError_t launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t sm
   const std::tuple<std::decay_t<KArgs>...> params(std::forward<Args>(args)...);
   kvgen_emu::run_grid(grid, block, smem, [&] { std::apply(kernel, params); });
   return cudaSuccess;
+}
+
+template <int BYTES>
+inline void lds_words(uint32_t* w, const unsigned char* p) {
+  static_assert(BYTES == 16 || BYTES == 8 || BYTES == 4 || BYTES == 2, "shared reads are 2, 4, 8 or 16 bytes");
+  const unsigned char* s = kvgen_emu::me().block->smem;
+  if (p < s || p + BYTES > s + kvgen_emu::me().block->bytes || reinterpret_cast<uintptr_t>(p) % BYTES)
+    kvgen_emu::fail("a shared-memory read outside the block's shared memory or not aligned to its size");
+  kvgen_emu::record_lds(p, BYTES);
+  if constexpr (BYTES == 2) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    w[0] = h;
+  } else {
+    std::memcpy(w, p, BYTES);
+  }
+}
+
+// the counters of kvgen_emu::account (reads, ideal, wavefronts: every read, then reads of 2, 4, 8 and 16 bytes),
+// read and reset by tests/cuda_emu/emulate.py
+extern "C" void kvgen_emu_lds_stats(unsigned long long* out, int reset) {
+  for (int i = 0; i < 5; ++i) {
+    out[3 * i] = kvgen_emu::lds_stats[i].reads;
+    out[3 * i + 1] = kvgen_emu::lds_stats[i].ideal;
+    out[3 * i + 2] = kvgen_emu::lds_stats[i].wavefronts;
+    if (reset) kvgen_emu::lds_stats[i] = kvgen_emu::LdsStats();
+  }
 }
 
 template <int BYTES>

@@ -335,3 +335,35 @@ def test_cuda_decode_random_geometries(runner, seed):
     spec, config, lengths = _random_case(seed)
     decode(runner, spec.scheme, spec.head_dim, spec.gqa_group, spec.page_size, spec.compute_dtype, spec.num_kv_heads,
            lengths, config=config, window=spec.sliding_window, softcap=spec.softcap, q_scale=2.0, seed=seed)
+
+
+# Shared-memory reads whose bank conflicts are known and kept (decode_stage.j2, Stage::at): the 4-byte value reads
+# of 32-byte rows (int4 at D=64, int2 at D=128) conflict 2-way, and int2's residual tiles (its last 128 tokens,
+# bf16 rows read in 32-byte value chunks) add a little more. Every other read must take one wavefront a pass.
+BANK_CASES = [  # scheme, head_dim, compute dtype, the most wavefronts a read may take on average
+    ("bf16", 64, "bfloat16", 1.0), ("bf16", 128, "bfloat16", 1.0), ("fp16", 256, "float16", 1.0),
+    ("int8", 64, "float16", 1.0), ("int8", 128, "bfloat16", 1.0), ("fp8", 128, "bfloat16", 1.0),
+    ("int4", 128, "bfloat16", 1.0), ("int4", 256, "bfloat16", 1.0), ("int2", 64, "float16", 1.0),
+    ("int4", 64, "float16", 1.13), ("int2", 128, "bfloat16", 1.15),
+]
+
+
+@pytest.mark.parametrize("scheme,head_dim,dtype,most", BANK_CASES, ids=lambda v: str(v))
+def test_cuda_decode_shared_memory_reads_bank_conflicts(scheme, head_dim, dtype, most):
+    """The stage layouts' claim (decode_stage.j2): fragment and metadata reads free of bank conflicts, counted by the
+    emulation's bank model over a whole decode (every lds_words of every warp; no GPU counter is read)."""
+    runner = Runner("emulated")
+    spec = KernelSpec(op="decode", scheme=scheme, head_dim=head_dim, num_kv_heads=1, gqa_group=8, page_size=16,
+                      compute_dtype=dtype, arch=runner.arch, backend="cuda")
+    config = {"num_splits": 1, "num_warps": 4, "depth": 2}
+    mod = runner.load(spec, config)
+    cache = hz.make_cache(scheme, head_dim, 1, 16, [1216], dtype, device="cpu", seed=0)
+    q = hz.random_q(1, 8, head_dim, torch.float32, "cpu").to(getattr(torch, dtype))
+    mod.lds_stats(reset=True)
+    mod.launch(q, hz.poisoned_like(q), cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed,
+               1 / math.sqrt(head_dim), config=config)
+    stats = mod.lds_stats()
+    total = stats["all"]
+    assert total["reads"] >= 1216 // 16 * 4, "the decode read less of its stages than its tiles hold"
+    ratio = total["wavefronts"] / total["ideal"]
+    assert ratio <= most, f"{scheme} D={head_dim}: {ratio:.3f} wavefronts a pass ({stats})"
