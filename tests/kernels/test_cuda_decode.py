@@ -296,7 +296,8 @@ def test_cuda_config_too_large_for_shared_memory_fails_alone(runner):
     from kvgen.runtime.cuda_loader import CudaBuildError
 
     with pytest.raises(CudaBuildError if runner.gpu else RuntimeError, match="kernel launch failed"):
-        decode(runner, "fp16", 256, 2, 16, "float16", 2, [33, 300], config={"num_splits": 1, "num_warps": 8, "depth": 2})
+        decode(runner, "fp16", 256, 2, 16, "float16", 2, [33, 300],
+               config={"num_splits": 1, "num_warps": 8, "depth": 2})
     decode(runner, "fp16", 256, 2, 16, "float16", 2, [33, 300], config={"num_splits": 1, "num_warps": 4, "depth": 2})
 
 
