@@ -320,15 +320,19 @@ if [ "$what" = d64 ]; then
   grep -E "^decode " "$OUT/decode-d64.log" | cut -c1-130
 fi
 if [ "$what" = decode-candidates ]; then
-  # About 9 minutes: every CUDA candidate of int8 and int4 at 1 x 131072 and 32 x 4096 (64/8, D=128), the kernel
-  # before b609346 (64-bit page ids) against the tree's and the tree's with a looser register cap; then Nsight Compute on one tuned launch of the cases
-  # that miss issue 16's goals (KVGEN_NCU_CASES="scheme:B,L,Hq,Hkv,D ...").
-  v=/tmp/kvgen-d128-variants; rm -rf "$v"
-  # the base needs the repository's history (without it, the tree's kernel alone); regs20: the tree's kernel with
+  # About 9 minutes: every CUDA candidate of int8 and int4 at 1 x 131072 and 32 x 4096 (64/8, D=128): the kernel
+  # before b609346 (32-bit page ids) as the base, de6ca45's (after it, before 4aa14cc's conflict-free KIVI key
+  # metadata; int8 is its control: unchanged by 4aa14cc), the tree's, and the tree's with a looser register cap;
+  # then Nsight Compute on one tuned launch of the cases that miss issue 16's goals
+  # (KVGEN_NCU_CASES="scheme:B,L,Hq,Hkv,D ...").
+  v=/tmp/kvgen-d128-variants; rm -rf "$v" "$v-mid"
+  # the bases need the repository's history (without it, the tree's kernel alone); regs20: the tree's kernel with
   # its register cap at 20 warps an SM instead of 16 (offline: int4 96 registers, 80 bytes spilled, +9% loop)
   python3 -m benchmarks.experiments.decode_variants render "$v" --schemes int8,int4 --base 8587e12 --reg-caps 20 \
     2>/dev/null || { rm -rf "$v"; python3 -m benchmarks.experiments.decode_variants render "$v" --schemes int8,int4 \
     --base tree --reg-caps 20 2>/dev/null; }
+  python3 -m benchmarks.experiments.decode_variants render "$v-mid" --schemes int8,int4 --base de6ca45 2>/dev/null \
+    && for s in int8 int4; do cp "$v-mid/$s--base.cu" "$v/$s--de6ca45.cu"; done
   timeout 240 python3 -m benchmarks.experiments.decode_variants time "$v" --shapes 1x131072,32x4096 \
     --out "$OUT/candidates-d128.json" >"$OUT/candidates-d128.log" 2>&1
   echo "D=128 candidates: exit $?"; grep -v "^built" "$OUT/candidates-d128.log" | tail -8 | cut -c1-160
