@@ -71,3 +71,21 @@ __global__ void primitives(const PrimArgs p) {
 extern "C" int run_primitives(const PrimArgs* p) {
   return int(launch_ex(primitives, dim3(1), dim3(32), 64, nullptr, false, *p));
 }
+
+// Shared-memory reads of known bank behaviour, one warp (the test reads kvgen_emu_lds_stats after it)
+__global__ void bank_patterns() {
+  KVGEN_DYNAMIC_SMEM(smem);
+  const int lane = threadIdx.x;
+  uint32_t w[4];
+  lds_words<4>(w, smem + 4 * lane);      // consecutive words: 1 pass, 1 wavefront
+  lds_words<4>(w, smem + 128 * lane);    // 32 words on one bank: 32 wavefronts
+  lds_words<4>(w, smem);                 // one word for all: a broadcast, 1 wavefront
+  lds_words<16>(w, smem + 16 * lane);    // 4 quarter-warp passes of consecutive chunks: 4 wavefronts
+  lds_words<16>(w, smem + 128 * lane);   // 4 passes, 8 lanes on banks 0-3 in each: 32 wavefronts
+  lds_words<8>(w, smem + 8 * lane);      // 2 half-warp passes: 2 wavefronts
+  lds_words<2>(w, smem + 2 * lane);      // two lanes a word: 1 wavefront
+}
+
+extern "C" int run_bank_patterns() {
+  return int(launch_ex(bank_patterns, dim3(1), dim3(32), 4096, nullptr, false));
+}

@@ -126,3 +126,13 @@ def test_cp_async_lands_at_the_wait_that_retires_its_group(run):
     assert torch.equal(t["before"], torch.full((64,), 0xFF, dtype=torch.uint8)), "a copy landed before any wait"
     assert torch.equal(t["after"], torch.cat([src[:32], poison])), "wait<1> retires each lane's oldest group only"
     assert torch.equal(t["final"], torch.cat([src[:48], torch.zeros(16, dtype=torch.uint8)])), "zero-fill"
+
+
+def test_bank_model_counts_passes_and_wavefronts_as_the_hardware_serves_them():
+    lib = ctypes.CDLL(str(emulate.build((emulate.EMU_DIR / "primitives.cpp").read_text(), EMU_BUILD_DIR)))
+    out = (ctypes.c_ulonglong * 15)()
+    lib.kvgen_emu_lds_stats(out, 1)
+    assert lib.run_bank_patterns() == 0
+    lib.kvgen_emu_lds_stats(out, 1)
+    # reads, ideal passes, wavefronts: all, then by width 2, 4, 8, 16 bytes (tests/cuda_emu/primitives.cpp)
+    assert list(out) == [7, 14, 73, 1, 1, 1, 3, 3, 34, 1, 2, 2, 2, 8, 36]
