@@ -104,7 +104,7 @@ def build(source: str, build_dir: Path, defines: tuple[str, ...] = ()) -> Path:
     return lib
 
 
-HEADERS = ("kvgen_emu.h", "kvgen_emu_fibers.h")
+HEADERS = ("kvgen_emu.h", "kvgen_emu_fibers.h", "kvgen_emu_banks.h")
 
 
 def _toolchain_ids(cxx: str, include: Path) -> list[str]:

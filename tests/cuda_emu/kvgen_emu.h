@@ -14,6 +14,8 @@
 // - cp.async copies are queued and land only when a cp_async_wait retires their group (the latest the hardware
 //   may land them), so a read of a stage before its wait reads the previous tile's bytes or poison. A copy must
 //   be aligned to its size and land inside the block's shared memory.
+// - Shared-memory reads of a stage (lds_words) must lie inside the block's shared memory, aligned to their size;
+//   the bank model (kvgen_emu_banks.h) counts the wavefronts the hardware would serve each warp-wide read in.
 // - mma.sync m16n8k16: the fragment layouts of the PTX ISA; products exact and sums in double, rounded to float
 //   once (the tensor cores' fp32 accumulation rounds more often: tolerances, not bits, compare the two).
 // - ex2.approx is exp2f, lop3 and prmt are exact bit operations, half2 arithmetic is cuda_fp16.h's host code.
@@ -26,6 +28,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kvgen_emu_banks.h"
 #include "kvgen_emu_fibers.h"
 
 #include <algorithm>
@@ -52,13 +55,6 @@ constexpr size_t kSmemDefault = 48 * 1024;    // dynamic shared memory without t
 constexpr size_t kSmemOptIn = 227 * 1024;     // the most an H100 block may opt into
 constexpr size_t kCanary = 64;                // poisoned guard bytes either side of a block's shared memory
 constexpr unsigned char kCanaryByte = 0xA5;
-
-// One warp-wide shared-memory read: each lane's byte offset into the block's shared memory.
-struct LdsOp {
-  int bytes = 0;
-  int joined = 0;
-  long long offset[32];
-};
 
 struct Warp {
   explicit Warp(int n) : bar(n), lanes(n) {}  // the last warp of a block may be partial
@@ -200,41 +196,6 @@ inline void perform(const Copy& cp) {
     std::memcpy(cp.dst, cp.src, cp.bytes);
   else
     std::memset(cp.dst, 0, cp.bytes);
-}
-
-// Bank conflicts of the shared-memory reads (lds_words), counted as the hardware serves them: a read of 4 bytes or
-// less a lane in one pass of the warp, of 8 bytes in two (half warps), of 16 in four (quarter warps); a pass takes
-// as many wavefronts as its most-used bank has distinct 4-byte words (a word several lanes read is broadcast).
-// `ideal` is the passes alone.
-struct LdsStats {
-  unsigned long long reads = 0, ideal = 0, wavefronts = 0;
-};
-inline LdsStats lds_stats[5];  // every read, then by width: 2, 4, 8, 16 bytes
-inline int width_index(int bytes) { return bytes == 2 ? 1 : bytes == 4 ? 2 : bytes == 8 ? 3 : 4; }
-
-inline void account(const LdsOp& op, int lanes) {
-  const int per_pass = op.bytes <= 4 ? 32 : op.bytes == 8 ? 16 : 8;
-  LdsStats& all = lds_stats[0];
-  LdsStats& by_width = lds_stats[width_index(op.bytes)];
-  ++all.reads;
-  ++by_width.reads;
-  for (int first = 0; first < lanes; first += per_pass) {
-    long long words[32][32];  // per bank, the distinct words read
-    int n[32] = {};
-    for (int l = first; l < std::min(first + per_pass, lanes); ++l) {
-      for (long long w = op.offset[l] / 4; w <= (op.offset[l] + op.bytes - 1) / 4; ++w) {
-        const int bank = int(w % 32);
-        bool seen = false;
-        for (int i = 0; i < n[bank]; ++i) seen = seen || words[bank][i] == w;
-        if (!seen && n[bank] < 32) words[bank][n[bank]++] = w;
-      }
-    }
-    const int waves = std::max(1, *std::max_element(n, n + 32));
-    ++all.ideal;
-    ++by_width.ideal;
-    all.wavefronts += waves;
-    by_width.wavefronts += waves;
-  }
 }
 
 inline void record_lds(const unsigned char* p, int bytes) {
