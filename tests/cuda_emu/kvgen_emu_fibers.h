@@ -17,7 +17,11 @@
 #include <functional>
 #include <vector>
 
-#if !defined(__x86_64__)
+// KVGEN_EMU_UCONTEXT: take the portable switch on x86-64 too (the test of the fallback)
+#if defined(__x86_64__) && !defined(KVGEN_EMU_UCONTEXT)
+#define KVGEN_EMU_ASM_SWITCH 1
+#else
+#define KVGEN_EMU_ASM_SWITCH 0
 #include <ucontext.h>
 #endif
 
@@ -30,7 +34,7 @@ namespace kvgen_emu {
   std::abort();
 }
 
-#if defined(__x86_64__)
+#if KVGEN_EMU_ASM_SWITCH
 // kvgen_emu_switch(save, load): push the callee-saved registers, store the stack pointer in *save, load `load`
 // as the stack pointer, pop that stack's registers and return into it (System V ABI; hidden: each emulation
 // library binds its own copy)

@@ -368,3 +368,11 @@ def test_cuda_decode_shared_memory_reads_bank_conflicts(scheme, head_dim, dtype,
     assert total["reads"] >= 1216 // 16 * 4, "the decode read less of its stages than its tiles hold"
     ratio = total["wavefronts"] / total["ideal"]
     assert ratio <= most, f"{scheme} D={head_dim}: {ratio:.3f} wavefronts a pass ({stats})"
+
+
+def test_cuda_decode_emulation_on_the_portable_fiber_switch():
+    """The emulation's fibers switch by hand-written assembly on x86-64 and by swapcontext elsewhere: the fallback,
+    forced here, runs a decode as well (splits, a window, KIVI's residual pages)."""
+    runner = Runner("emulated")
+    decode(runner, "int4", 128, 8, 16, "bfloat16", 2, [1, 17, 300], window=100, defines=("KVGEN_EMU_UCONTEXT=1",),
+           config={"num_splits": 3, "num_warps": 4, "depth": 2})
