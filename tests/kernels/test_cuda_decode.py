@@ -7,10 +7,12 @@ softcaps and the readers' numerics contracts.
 
 - ``emulated`` (CPU, CI): the kernels rendered from the same templates with
   the host platform of ``tests/cuda_emu`` in place of
-  ``templates/cuda/platform.j2`` (one host thread per CUDA thread; mma,
-  movmatrix, shuffles and cp.async modelled in C++), built by g++ and run on
-  CPU tensors. Skips where g++ or the CUDA toolkit's headers are missing.
-  A few long cases are shortened there (``long_len``).
+  ``templates/cuda/platform.j2`` (one fiber per CUDA thread; mma,
+  movmatrix, shuffles, cp.async and shared-memory banks modelled in C++),
+  built by g++ and run on CPU tensors. Skips where g++ or the CUDA
+  toolkit's headers are missing. A few long cases are shortened there
+  (``long_len``), and the bank-conflict and fiber tests are the
+  emulation's alone.
 - ``gpu`` (``pytest -m gpu`` on the device, ``KVGEN_TEST_DEVICE=cuda``): the
   real kernels, built by nvcc for the device.
 """
@@ -62,12 +64,12 @@ class Runner:
             torch.cuda.synchronize()
 
     def long_len(self, n: int, short: int) -> int:
-        """A long sequence's length: ``n`` on the GPU, ``short`` in the emulation (a host thread a lane runs
-        about a thousand tiles a second)."""
+        """A long sequence's length: ``n`` on the GPU, ``short`` in the emulation (a few thousand warp-tiles a
+        second on one core)."""
         return n if self.gpu else short
 
 
-# Emulation libraries are keyed by their source, the emulation header and the compiler: one folder for every
+# Emulation libraries are keyed by their source, the emulation headers and the compiler: one folder for every
 # pytest worker and run, so each is built once.
 EMU_BUILD_DIR = Path(tempfile.gettempdir()) / f"kvgen-cuda-emu-{os.getuid()}"
 
