@@ -2,10 +2,10 @@
 
     python -m benchmarks.experiments.cuda_emu_banks [int4:128:bfloat16 int8:64:float16 ...] [--tokens 1216]
 
-One decode per case (one KV head, a GQA group of 8, page 16, 4 warps, 2 stages, one split) through the emulation,
-whose bank model (kvgen_emu.h, ``account``) serves every ``lds_words`` the way the hardware does: a read of up to
-4 bytes a lane in one pass of the warp, 8 bytes in two, 16 in four, and a pass takes as many wavefronts as its
-most-used bank has distinct words. Prints, for all reads and by width, the reads and wavefronts per pass (1.00:
+One decode per case (``tests.kernels.test_cuda_decode.bank_stats``: one KV head, a GQA group of 8, page 16, 4 warps,
+2 stages, one split) through the emulation, whose bank model (kvgen_emu_banks.h, ``account``) serves every
+``lds_words`` the way the hardware does: a read of up to 4 bytes a lane in one pass of the warp, 8 bytes in two, 16
+in four, and a pass takes as many wavefronts as its most-used bank has distinct words. Prints, for all reads and by width, the reads and wavefronts per pass (1.00:
 conflict-free). ``--tokens`` sets the sequence length (1216: 76 whole tiles, no KIVI residual tail beyond int2's
 last 128 tokens).
 """
@@ -13,7 +13,6 @@ last 128 tokens).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 DEFAULT = ["bf16:128:bfloat16", "fp8:128:bfloat16", "int8:128:bfloat16", "int4:128:bfloat16", "int2:128:bfloat16",
@@ -21,34 +20,16 @@ DEFAULT = ["bf16:128:bfloat16", "fp8:128:bfloat16", "int8:128:bfloat16", "int4:1
            "fp16:256:float16", "int4:256:bfloat16", "int2:256:bfloat16"]
 
 
-def measure(scheme: str, head_dim: int, dtype: str, tokens: int) -> dict[str, dict[str, int]]:
-    import torch
-
-    from kvgen.codegen.spec import KernelSpec
-    from tests.kernels import harness as hz
-    from tests.kernels.test_cuda_decode import Runner
-
-    runner = Runner("emulated")
-    spec = KernelSpec(op="decode", scheme=scheme, head_dim=head_dim, num_kv_heads=1, gqa_group=8, page_size=16,
-                      compute_dtype=dtype, arch=runner.arch, backend="cuda")
-    config = {"num_splits": 1, "num_warps": 4, "depth": 2}
-    mod = runner.load(spec, config)
-    cache = hz.make_cache(scheme, head_dim, 1, 16, [tokens], dtype, device="cpu", seed=0)
-    q = hz.random_q(1, 8, head_dim, torch.float32, "cpu").to(getattr(torch, dtype))
-    mod.lds_stats(reset=True)
-    mod.launch(q, hz.poisoned_like(q), cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed,
-               1 / math.sqrt(head_dim), config=config)
-    return mod.lds_stats()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cases", nargs="*", default=DEFAULT, help="scheme:head_dim:compute_dtype")
     ap.add_argument("--tokens", type=int, default=1216)
     args = ap.parse_args(argv)
+    from tests.kernels.test_cuda_decode import bank_stats
+
     for case in args.cases:
         scheme, d, dtype = case.split(":")
-        stats = measure(scheme, int(d), dtype, args.tokens)
+        stats = bank_stats(scheme, int(d), dtype, args.tokens)
         parts = [f"{w}B {v['reads']} reads {v['wavefronts'] / v['ideal']:.2f}" for w, v in stats.items()
                  if v["reads"] and w != "all"]
         total = stats["all"]

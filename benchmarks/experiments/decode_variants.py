@@ -91,7 +91,6 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
     from benchmarks.run import DecodeCase, kernel_module, rel_l2
     from kvgen.runtime.kernel_timer import cold_page_tables, cycling, graph_time_ms
 
-    D = d
     build_all(sorted(src_dir.glob("*.cu")))
     records = []
     by_scheme: dict[str, list[Path]] = {}
@@ -99,12 +98,12 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
         by_scheme.setdefault(f.name.split("--")[0], []).append(f)
     for scheme_name, files in by_scheme.items():
         files.sort(key=lambda f: (not f.stem.endswith("--base"), f.name))
-        mod, scheme = kernel_module("decode", scheme_name, hkv, hq // hkv, D, backend="cuda")
+        mod, scheme = kernel_module("decode", scheme_name, hkv, hq // hkv, d, backend="cuda")
         for B, L in shapes:
             torch.cuda.empty_cache()
-            case = DecodeCase(scheme, B, L, hq, hkv, D)
+            case = DecodeCase(scheme, B, L, hq, hkv, d)
             ref = case.reference()
-            sm = 1 / math.sqrt(D)
+            sm = 1 / math.sqrt(d)
             pools, tables = cold_page_tables(case.pools, B, case.block_tables.shape[1], int(case.num_compressed[0]))
             out_t = torch.empty_like(case.q)
             base_out, base_ms = None, None
@@ -122,7 +121,7 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
                     why = (f"output not finite or {vs_base:.3g} from the base's (relative L2, limit {max_vs_base}); "
                            f"{err:.3g} from the float32 reference")
                     records.append({"scheme": scheme_name, "variant": variant, "B": B, "L": L, "heads": [hq, hkv],
-                                    "head_dim": D, "error": why})
+                                    "head_dim": d, "error": why})
                     print(f"{scheme_name:5s} B={B:3d} L={L:6d} {variant:12s} FAILED: {why}", flush=True)
                     continue
                 if base_out is None:
@@ -135,7 +134,7 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
                 ms, cfg = min(times, key=lambda t: t[0])
                 if base_ms is None:
                     base_ms = ms
-                rec = {"scheme": scheme_name, "variant": variant, "B": B, "L": L, "heads": [hq, hkv], "head_dim": D,
+                rec = {"scheme": scheme_name, "variant": variant, "B": B, "L": L, "heads": [hq, hkv], "head_dim": d,
                        "ms": ms, "config": cfg,
                        "vs_base": ms / base_ms, "rel_l2": err, "rel_l2_vs_base": vs_base,
                        "candidates": [[t, c] for t, c in times]}

@@ -3,12 +3,12 @@
 :func:`load` renders a CUDA spec exactly as ``kvgen compile`` does, except
 that ``cuda/platform.j2`` (the CUDA headers, inline PTX and the launch API:
 templates/cuda/platform.j2) is this folder's, which includes
-``kvgen_emu.h``: the same primitives as host C++ with one thread per CUDA
+``kvgen_emu.h``: the same primitives as host C++ with one fiber per CUDA
 thread (its header says what it models). The source is built with the host
 C++ compiler against the CUDA toolkit's ``cuda_fp16.h``/``cuda_bf16.h`` into
 a shared library, and :meth:`EmulatedDecode.launch` calls its
-``kvgen_decode`` entry point on CPU tensors with the argument list of the
-generated module (decode.py.j2's ``ARGTYPES``; the library's ABI version is
+``kvgen_decode`` entry point on CPU tensors with the arguments the generated
+module's own ``arguments`` builds (decode.py.j2; the library's ABI version is
 checked against the module's).
 
 Every template but the platform is the product's own text, so the
@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import math
 import os
 import re
 import shutil
@@ -43,6 +42,7 @@ from kvgen.runtime.atomic_io import folder_lock, write_atomic
 from kvgen.schemes import Scheme
 
 EMU_DIR = Path(__file__).resolve().parent
+HEADERS = ("kvgen_emu.h", "kvgen_emu_fibers.h", "kvgen_emu_banks.h")  # the first includes the others
 CXX_FLAGS = ("-std=c++20", "-O1", "-fPIC", "-pthread", "-Wall", "-Wno-unknown-pragmas",
              "-Wno-unused-variable", "-Wno-unused-but-set-variable")
 BUILD_TIMEOUT_S = 600
@@ -104,12 +104,10 @@ def build(source: str, build_dir: Path, defines: tuple[str, ...] = ()) -> Path:
     return lib
 
 
-HEADERS = ("kvgen_emu.h", "kvgen_emu_fibers.h", "kvgen_emu_banks.h")
-
-
-def _toolchain_ids(cxx: str, include: Path) -> list[str]:
+@functools.lru_cache(maxsize=4)
+def _toolchain_ids(cxx: str, include: Path) -> tuple[str, ...]:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    return [version, str(include), *((EMU_DIR / h).read_text() for h in HEADERS)]
+    return (version, str(include), *((EMU_DIR / h).read_text() for h in HEADERS))
 
 
 def _key(*parts: str) -> str:
@@ -145,55 +143,32 @@ class EmulatedDecode:
     """A CUDA decode kernel built for the host: ``launch`` has the generated module's interface on CPU tensors."""
 
     module: ModuleType
-    fn: ctypes._CFuncPtr
+    fn: ctypes._CFuncPtr  # kvgen_decode
+    _error_string: ctypes._CFuncPtr
+    _lds_stats: ctypes._CFuncPtr
 
     def launch(self, q, out, pools, block_tables, seq_lens, num_compressed, sm_scale, config=None):
-        """decode.py.j2's ``launch`` without its device check and stream: same argument marshalling, same
-        config handling; raises RuntimeError with the entry point's error string on a failed launch."""
-        import torch
-
-        m = self.module
-        batch = q.shape[0]
-        if batch == 0:
-            return out
-        max_pages = block_tables.shape[1]
-        config = config or m.default_config(batch, max_pages * m.PAGE, q.device)
-        splits = max(1, min(int(config.get("num_splits", 1)), m._max_tiles(max_pages * m.PAGE), m.MAX_SPLITS))
-        warps, depth = int(config.get("num_warps", 4)), int(config.get("depth", m.DEPTHS[0]))
-        assert warps in m.WARPS and depth in m.DEPTHS, config
-        qk_scale = float(sm_scale) if m.SOFTCAP else float(sm_scale) * m.LOG2E_HOST
-        tensors = [q, out, block_tables, seq_lens, num_compressed, *[pools[n] for n in m.POOL_TENSORS]]
+        """decode.py.j2's ``launch`` on CPU tensors: the module's own ``arguments``, no stream, no PDL; raises
+        RuntimeError with the entry point's error string on a failed launch."""
+        tensors = [q, out, block_tables, seq_lens, num_compressed, *[pools[n] for n in self.module.POOL_TENSORS]]
         assert all(t.device.type == "cpu" for t in tensors), "the emulation runs on CPU tensors"
-        if splits > 1:
-            part_out = torch.full((batch, m.HQ, splits, m.HEAD_DIM), math.nan, dtype=torch.float32)
-            part_lse = torch.full((batch, m.HQ, splits), math.nan, dtype=torch.float32)
-            part_ptrs = (part_out.data_ptr(), part_lse.data_ptr())
-        else:
-            part_ptrs = (None, None)
-        rc = self.fn(q.data_ptr(), out.data_ptr(), *[pools[n].data_ptr() for n in m.POOL_TENSORS],
-                     block_tables.data_ptr(), seq_lens.data_ptr(), num_compressed.data_ptr(), *part_ptrs, qk_scale,
-                     q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-                     batch, splits, warps, depth, None, 0)
+        call = self.module.arguments(q, out, pools, block_tables, seq_lens, num_compressed, sm_scale, config)
+        if call is None:
+            return out
+        args, _workspace = call
+        rc = self.fn(*args, None, 0)
         if rc:
-            raise RuntimeError(f"emulated kernel launch failed: {self.error_string(rc)} (code {rc})")
+            raise RuntimeError(f"emulated kernel launch failed: {self._error_string(rc).decode()} (code {rc})")
         return out
 
     def lds_stats(self, reset: bool = True) -> dict[str, dict[str, int]]:
         """The emulation's count of shared-memory reads since the last reset, for every read (``"all"``) and by
         width (``"2"``, ``"4"``, ``"8"``, ``"16"`` bytes): warp-wide ``reads``, the ``ideal`` passes they need and
-        the ``wavefronts`` their bank conflicts make them take (kvgen_emu.h, account)."""
+        the ``wavefronts`` their bank conflicts make them take (kvgen_emu_banks.h, account)."""
         out = (ctypes.c_ulonglong * 15)()
-        lib = self.fn._kvgen_lib
-        lib.kvgen_emu_lds_stats.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int]
-        lib.kvgen_emu_lds_stats(out, int(reset))
+        self._lds_stats(out, int(reset))
         return {key: {"reads": out[3 * i], "ideal": out[3 * i + 1], "wavefronts": out[3 * i + 2]}
                 for i, key in enumerate(("all", "2", "4", "8", "16"))}
-
-    def error_string(self, code: int) -> str:
-        lib = self.fn._kvgen_lib
-        lib.kvgen_error_string.restype = ctypes.c_char_p
-        lib.kvgen_error_string.argtypes = [ctypes.c_int]
-        return lib.kvgen_error_string(code).decode()
 
 
 def load(spec: KernelSpec, scheme: Scheme, build_dir: Path, *, config: dict | None = None, every_config=False,
@@ -216,5 +191,7 @@ def load(spec: KernelSpec, scheme: Scheme, build_dir: Path, *, config: dict | No
     fn = lib.kvgen_decode
     fn.argtypes = module.ARGTYPES
     fn.restype = ctypes.c_int
-    fn._kvgen_lib = lib
-    return EmulatedDecode(module, fn)
+    lib.kvgen_error_string.argtypes = [ctypes.c_int]
+    lib.kvgen_error_string.restype = ctypes.c_char_p
+    lib.kvgen_emu_lds_stats.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int]
+    return EmulatedDecode(module, fn, lib.kvgen_error_string, lib.kvgen_emu_lds_stats)

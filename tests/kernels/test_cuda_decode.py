@@ -351,26 +351,31 @@ BANK_CASES = [  # scheme, head_dim, compute dtype, the most wavefronts a read ma
 ]
 
 
-@pytest.mark.parametrize("scheme,head_dim,dtype,most", BANK_CASES, ids=lambda v: str(v))
-def test_cuda_decode_shared_memory_reads_bank_conflicts(scheme, head_dim, dtype, most):
-    """The stage layouts' claim (decode_stage.j2): fragment and metadata reads free of bank conflicts, counted by the
-    emulation's bank model over a whole decode (every lds_words of every warp; no GPU counter is read)."""
+def bank_stats(scheme: str, head_dim: int, dtype: str, tokens: int = 1216) -> dict[str, dict[str, int]]:
+    """The emulation's shared-memory read counts (EmulatedDecode.lds_stats) over one decode of ``tokens`` tokens:
+    one KV head, a group of 8, page 16, 4 warps, 2 stages, one split (benchmarks/experiments/cuda_emu_banks)."""
     runner = Runner("emulated")
     spec = KernelSpec(op="decode", scheme=scheme, head_dim=head_dim, num_kv_heads=1, gqa_group=8, page_size=16,
                       compute_dtype=dtype, arch=runner.arch, backend="cuda")
     config = {"num_splits": 1, "num_warps": 4, "depth": 2}
     mod = runner.load(spec, config)
-    cache = hz.make_cache(scheme, head_dim, 1, 16, [1216], dtype, device="cpu", seed=0)
+    cache = hz.make_cache(scheme, head_dim, 1, 16, [tokens], dtype, device="cpu", seed=0)
     q = hz.random_q(1, 8, head_dim, torch.float32, "cpu").to(getattr(torch, dtype))
     mod.lds_stats(reset=True)
     mod.launch(q, hz.poisoned_like(q), cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed,
                1 / math.sqrt(head_dim), config=config)
-    stats = mod.lds_stats()
+    return mod.lds_stats()
+
+
+@pytest.mark.parametrize("scheme,head_dim,dtype,most", BANK_CASES, ids=lambda v: str(v))
+def test_cuda_decode_shared_memory_reads_bank_conflicts(scheme, head_dim, dtype, most):
+    """The stage layouts' claim (decode_stage.j2): fragment and metadata reads free of bank conflicts, counted by the
+    emulation's bank model over a whole decode (every lds_words of every warp; no GPU counter is read)."""
+    stats = bank_stats(scheme, head_dim, dtype)
     total = stats["all"]
     assert total["reads"] >= 1216 // 16 * 4, "the decode read less of its stages than its tiles hold"
     ratio = total["wavefronts"] / total["ideal"]
     assert ratio <= most, f"{scheme} D={head_dim}: {ratio:.3f} wavefronts a pass ({stats})"
-
 
 def test_cuda_decode_emulation_on_the_portable_fiber_switch():
     """The emulation's fibers switch by hand-written assembly on x86-64 and by swapcontext elsewhere: the fallback,
