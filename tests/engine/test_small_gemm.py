@@ -30,6 +30,14 @@ def _rel_l2(a, ref):
     return float((a.double() - ref).norm() / ref.norm())
 
 
+def _dyadic(shape, g, dtype):
+    """Random multiples of 1/64 in [-1, 1]: at K <= 1024 every partial sum of their products is a float32 (20 bits
+    at most), so a dot product is exact in any summation order. The tests that compare two kernels bit for bit
+    need that: the interpreter's dot is the host BLAS, whose order on some CPUs (OpenBLAS's AVX2 kernels) depends
+    on an output column's place in the tile. Sums still round in float16, so the model-dtype roundings are tested."""
+    return (torch.randint(-64, 65, shape, generator=g).to(torch.float32) / 64).to(dtype)
+
+
 @pytest.fixture
 def interpret():
     """The CPU tests' kernels run on Triton's interpreter (tests/conftest.py sets it for CPU runs)."""
@@ -132,9 +140,9 @@ def test_gated_matches_float64_every_bucket_split_and_tail(interpret, dtype):
 
     g = torch.Generator().manual_seed(6)
     inter, k = 100, 256  # 100 output columns: a ragged last block of 32 and of 64
-    w = torch.randn(2 * inter, k, generator=g).to(dtype)
+    w = _dyadic((2 * inter, k), g, dtype)
     b = torch.randn(2 * inter, generator=g).to(dtype)
-    wide = torch.randn(64, k + 64, generator=g).to(dtype)
+    wide = _dyadic((64, k + 64), g, dtype)
     tol = 1e-5 if dtype == torch.float32 else 3e-3
     for m in (5, 17, 64):
         x = wide[:m, :k]
@@ -170,12 +178,12 @@ def test_rope_epilogue_equals_the_projection_then_qkv_rope(interpret, dtype):
     g = torch.Generator().manual_seed(8)
     hq, hkv, d, k = 4, 2, 64, 256
     n = (hq + 2 * hkv) * d
-    w = torch.randn(n, k, generator=g).to(dtype)
+    w = _dyadic((n, k), g, dtype)
     b = torch.randn(n, generator=g).to(dtype)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     freqs = torch.outer(torch.arange(4096).float(), inv)
     cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
-    wide = torch.randn(64, k + 64, generator=g).to(dtype)
+    wide = _dyadic((64, k + 64), g, dtype)
     for m in (5, 17, 64):
         x = wide[:m, :k]
         pos = torch.randint(0, 4096, (m,), generator=g)
