@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|gemv|prefill|confirm|d64|decode-candidates] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|gemv|prefill|confirm|d64|decode-candidates|b1-split] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
@@ -19,6 +19,26 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
   || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
 [ -d plugins/kvgen-nuq ] && python3 -m pip install -q --no-deps --no-build-isolation -e plugins/kvgen-nuq >>"$OUT/install.log" 2>&1
 python3 -m kvgen.cli schemes
+# Nsight Compute on one tuned CUDA decode launch per "scheme:B,L,Hq,Hkv,D" argument, summarized into
+# $OUT/ncu-summary.txt, the raw CSVs archived as $OUT/ncu.tgz (the device tool brings back only a few files)
+ncu_shapes() {
+  command -v ncu >/dev/null || { echo "no ncu on this machine"; return 0; }
+  local sections="" s case shape tag
+  for s in SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats ComputeWorkloadAnalysis \
+    MemoryWorkloadAnalysis InstructionStats; do sections="$sections --section $s"; done
+  mkdir -p "$OUT/ncu"
+  for case in "$@"; do
+    s=${case%%:*}; shape=${case##*:}; tag=$s-${shape//,/-}
+    timeout 60 python3 -m benchmarks.experiments.ncu_decode run --scheme "$s" --backend cuda --shape "$shape" \
+      --work "/tmp/kvgen-ncu-$tag" --tune 2>&1 | tail -1
+    timeout 60 ncu --clock-control none --target-processes all -k 'regex:^_?decode_kernel' --launch-skip 2 \
+      --launch-count 1 $sections --csv --page raw python3 -m benchmarks.experiments.ncu_decode run --scheme "$s" \
+      --backend cuda --shape "$shape" --work "/tmp/kvgen-ncu-$tag" >"$OUT/ncu/ncu-$tag.csv" 2>"$OUT/ncu/ncu-$tag.err"
+    echo "ncu $tag: exit $?"
+  done
+  python3 -m benchmarks.experiments.ncu_decode summary "$OUT"/ncu/ncu-*.csv | tee "$OUT/ncu-summary.txt"
+  tar czf "$OUT/ncu.tgz" -C "$OUT/ncu" . && rm -rf "$OUT/ncu"
+}
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # The GPU tests are bound by Triton compiles (CPU work): spread them over
   # pytest-xdist workers when the machine has it, one process otherwise.
@@ -336,21 +356,20 @@ if [ "$what" = decode-candidates ]; then
   timeout 240 python3 -m benchmarks.experiments.decode_variants time "$v" --shapes 1x131072,32x4096 \
     --out "$OUT/candidates-d128.json" >"$OUT/candidates-d128.log" 2>&1
   echo "D=128 candidates: exit $?"; grep -v "^built" "$OUT/candidates-d128.log" | tail -8 | cut -c1-160
-  command -v ncu >/dev/null || { echo "no ncu on this machine"; exit 0; }
-  sections=""; for s in SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats ComputeWorkloadAnalysis \
-    MemoryWorkloadAnalysis InstructionStats; do sections="$sections --section $s"; done
-  mkdir -p "$OUT/ncu"
-  for case in ${KVGEN_NCU_CASES:-int4:32,4096,64,8,128 int8:1,131072,64,8,128 int8:16,8192,32,4,64}; do
-    s=${case%%:*}; shape=${case##*:}; tag=$s-${shape//,/-}
-    timeout 60 python3 -m benchmarks.experiments.ncu_decode run --scheme "$s" --backend cuda --shape "$shape" \
-      --work "/tmp/kvgen-ncu-$tag" --tune 2>&1 | tail -1
-    timeout 60 ncu --clock-control none --target-processes all -k 'regex:^_?decode_kernel' --launch-skip 2 \
-      --launch-count 1 $sections --csv --page raw python3 -m benchmarks.experiments.ncu_decode run --scheme "$s" \
-      --backend cuda --shape "$shape" --work "/tmp/kvgen-ncu-$tag" >"$OUT/ncu/ncu-$tag.csv" 2>"$OUT/ncu/ncu-$tag.err"
-    echo "ncu $tag: exit $?"
-  done
-  python3 -m benchmarks.experiments.ncu_decode summary "$OUT"/ncu/ncu-*.csv | tee "$OUT/ncu-summary.txt"
-  tar czf "$OUT/ncu.tgz" -C "$OUT/ncu" . && rm -rf "$OUT/ncu"
+  ncu_shapes ${KVGEN_NCU_CASES:-int4:32,4096,64,8,128 int8:1,131072,64,8,128 int8:16,8192,32,4,64}
+fi
+if [ "$what" = b1-split ]; then
+  # About 5 minutes: why 1 x 131072 is every quantized scheme's outlier (int8/fp8 0.64-0.66x bf16, int4 0.48x on
+  # the H100 and the H200, against 0.52-0.56x and 0.39-0.45x at the other D=128 anchors; bf16 no slower there).
+  # The same 264 programs' work two ways: one sequence in 33 splits, and 33 sequences of 3968 tokens without
+  # splits (the same pages a program and bytes, no split combine); every candidate of bf16, int8 and int4 at
+  # both; then Nsight Compute on int8's tuned launch at both.
+  v=/tmp/kvgen-b1-variants; rm -rf "$v"
+  python3 -m benchmarks.experiments.decode_variants render "$v" --schemes bf16,int8,int4 --base tree 2>/dev/null
+  timeout 200 python3 -m benchmarks.experiments.decode_variants time "$v" --shapes 1x131072,33x3968 \
+    --out "$OUT/b1-split.json" >"$OUT/b1-split.log" 2>&1
+  echo "one sequence in splits against 33 sequences: exit $?"; grep -v "^built" "$OUT/b1-split.log" | tail -8 | cut -c1-160
+  ncu_shapes int8:1,131072,64,8,128 int8:33,3968,64,8,128
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.run --out "$OUT/bench" "$@" 2>"$OUT/bench-stderr.log" | tee "$OUT/bench.log"
