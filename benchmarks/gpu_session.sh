@@ -359,16 +359,20 @@ if [ "$what" = decode-candidates ]; then
   ncu_shapes ${KVGEN_NCU_CASES:-int4:32,4096,64,8,128 int8:1,131072,64,8,128 int8:16,8192,32,4,64}
 fi
 if [ "$what" = b1-split ]; then
-  # About 5 minutes: why 1 x 131072 is every quantized scheme's outlier (int8/fp8 0.64-0.66x bf16, int4 0.48x on
+  # About 7 minutes: why 1 x 131072 is every quantized scheme's outlier (int8/fp8 0.64-0.66x bf16, int4 0.48x on
   # the H100 and the H200, against 0.52-0.56x and 0.39-0.45x at the other D=128 anchors; bf16 no slower there).
   # The same 264 programs' work two ways: one sequence in 33 splits, and 33 sequences of 3968 tokens without
   # splits (the same pages a program and bytes, no split combine); every candidate of bf16, int8 and int4 at
-  # both; then Nsight Compute on int8's tuned launch at both.
+  # both, as rendered and on a (splits, heads, batch) grid (at B=1 the programs scheduled side by side are then
+  # one head's splits, not one split's 8 heads on the same pages); then Nsight Compute on int8's tuned launch
+  # at both.
   v=/tmp/kvgen-b1-variants; rm -rf "$v"
-  python3 -m benchmarks.experiments.decode_variants render "$v" --schemes bf16,int8,int4 --base tree 2>/dev/null
-  timeout 200 python3 -m benchmarks.experiments.decode_variants time "$v" --shapes 1x131072,33x3968 \
+  python3 -m benchmarks.experiments.decode_variants render "$v" --schemes bf16,int8,int4 --base tree --split-major \
+    2>/dev/null
+  timeout 280 python3 -m benchmarks.experiments.decode_variants time "$v" --shapes 1x131072,33x3968 \
     --out "$OUT/b1-split.json" >"$OUT/b1-split.log" 2>&1
-  echo "one sequence in splits against 33 sequences: exit $?"; grep -v "^built" "$OUT/b1-split.log" | tail -8 | cut -c1-160
+  echo "one sequence in splits against 33 sequences: exit $?"
+  grep -v "^built" "$OUT/b1-split.log" | tail -8 | cut -c1-160
   ncu_shapes int8:1,131072,64,8,128 int8:33,3968,64,8,128
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -2,7 +2,7 @@
 
     # offline (no GPU): render the variants' .cu sources into DIR
     python -m benchmarks.experiments.decode_variants render DIR [--schemes int4,int8] [--base REV|tree] [--heads 64,8]
-                                                      [--head-dim 128] [--reg-caps 20,24]
+                                                      [--head-dim 128] [--reg-caps 20,24] [--split-major]
     # on the GPU: build every source in DIR, check it and time it at each shape
     python -m benchmarks.experiments.decode_variants time DIR [--shapes 32x4096,1x16384] [--out FILE] [--heads 64,8]
                                                     [--head-dim 128]
@@ -11,7 +11,10 @@
 through that revision's own templates, unpacked with ``git archive`` into a temporary folder) and
 ``<scheme>--tree.cu`` (the working tree's; ``--base tree`` writes the tree's as the base alone, for a scheme or head
 dim the revision cannot render). ``--reg-caps W,...`` also writes ``<scheme>--regsW.cu``: the tree's kernel with its
-register cap at W warps an SM instead of 16 (``cuda_sass.with_reg_cap``). Other variants can be added by hand as
+register cap at W warps an SM instead of 16 (``cuda_sass.with_reg_cap``); ``--split-major`` writes
+``<scheme>--splitmajor.cu``: the tree's kernel on the grid (splits, KV heads, batch) instead of (batch, KV heads,
+splits), so the programs the hardware schedules next to each other are one head's splits, not one split's heads
+(:func:`with_split_major`). Other variants can be added by hand as
 ``<scheme>--<name>.cu`` (e.g. the tree rendered with an edited template). ``time`` loads the scheme's generated CUDA
 decode module once and points it at each source in turn (``SOURCE``: the runtime's CUDA loader builds and caches
 each), runs it once on a NaN-poisoned output against the float32 reference and against the base variant's output; a
@@ -54,8 +57,21 @@ def _render_at(root: Path, scheme: str, hq: int, hkv: int, d: int = D) -> str:
                           capture_output=True, text=True).stdout
 
 
+GRID_INDEX = "const int b = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;"
+GRID_LAUNCH = "dim3(batch, H, a.num_splits)"
+
+
+def with_split_major(source: str) -> str:
+    """``source`` with its decode kernel's grid in (splits, KV heads, batch) order, its indexing to match; SystemExit
+    where the template no longer reads :data:`GRID_INDEX` and :data:`GRID_LAUNCH` once each."""
+    if source.count(GRID_INDEX) != 1 or source.count(GRID_LAUNCH) != 1:
+        raise SystemExit("the decode kernel's grid is no longer (batch, heads, splits) as this variant expects")
+    return (source.replace(GRID_INDEX, "const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;")
+            .replace(GRID_LAUNCH, "dim3(a.num_splits, H, batch)"))
+
+
 def render(out_dir: Path, schemes: list[str], base: str, hq: int = HQ, hkv: int = HKV, d: int = D,
-           reg_caps: tuple[int, ...] = ()) -> None:
+           reg_caps: tuple[int, ...] = (), split_major: bool = False) -> None:
     from benchmarks.experiments.cuda_sass import with_reg_cap
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -68,6 +84,8 @@ def render(out_dir: Path, schemes: list[str], base: str, hq: int = HQ, hkv: int 
             tree = _render_at(REPO, s, hq, hkv, d)
             sources = {"base": tree} if base == "tree" else {"base": _render_at(Path(tmp), s, hq, hkv, d), "tree": tree}
             sources.update({f"regs{w}": with_reg_cap(tree, w) for w in reg_caps})
+            if split_major:
+                sources["splitmajor"] = with_split_major(tree)
             for name, text in sources.items():
                 (out_dir / f"{s}--{name}.cu").write_text(text)
             print(f"{s}: {', '.join(sources)}", file=sys.stderr)
@@ -162,6 +180,7 @@ def main(argv=None) -> int:
     r.add_argument("--heads", default=f"{HQ},{HKV}", help="query and KV heads, HQ,HKV")
     r.add_argument("--head-dim", type=int, default=D)
     r.add_argument("--reg-caps", default="", help="also the tree's kernel at these register caps (warps an SM)")
+    r.add_argument("--split-major", action="store_true", help="also the tree's kernel on a (splits, heads, batch) grid")
     t = sub.add_parser("time")
     t.add_argument("dir", type=Path)
     t.add_argument("--shapes", default="32x4096,1x16384")
@@ -173,7 +192,7 @@ def main(argv=None) -> int:
     hq, hkv = (int(x) for x in a.heads.split(","))
     if a.cmd == "render":
         render(a.dir, a.schemes.split(","), a.base, hq, hkv, a.head_dim,
-               tuple(int(w) for w in a.reg_caps.split(",") if w))
+               tuple(int(w) for w in a.reg_caps.split(",") if w), a.split_major)
     else:
         shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
         time_variants(a.dir, shapes, a.out, a.max_vs_base, hq, hkv, a.head_dim)

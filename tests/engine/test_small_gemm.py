@@ -32,9 +32,10 @@ def _rel_l2(a, ref):
 
 def _dyadic(shape, g, dtype):
     """Random multiples of 1/64 in [-1, 1]: their products are multiples of 2^-12 of magnitude at most 1, so at
-    K <= 1024 every partial sum fits float32's 24 bits and a dot product is exact in any summation order. The tests that compare two kernels bit for bit
-    need that: the interpreter's dot is the host BLAS, whose order on some CPUs (OpenBLAS's AVX2 kernels) depends
-    on an output column's place in the tile. Sums still round in float16, so the model-dtype roundings are tested."""
+    K <= 1024 every partial sum fits float32's 24 bits and a dot product is exact in any summation order. The tests
+    that compare two kernels bit for bit need that: the interpreter's dot is the host BLAS, whose order on some CPUs
+    (OpenBLAS's AVX2 kernels) depends on an output column's place in the tile. Sums still round in float16, so the
+    model-dtype roundings are tested."""
     return (torch.randint(-64, 65, shape, generator=g).to(torch.float32) / 64).to(dtype)
 
 

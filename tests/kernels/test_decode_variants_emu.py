@@ -1,0 +1,62 @@
+"""benchmarks/experiments/decode_variants.py's source transforms, run in the CPU emulation of the CUDA templates
+(tests/cuda_emu): a variant the device session times must compute the same attention, or its timing means nothing
+(the GPU run checks it again against the base, but a broken variant costs device minutes to find)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.experiments.decode_variants import GRID_INDEX, GRID_LAUNCH, with_split_major
+from kvgen.codegen.spec import KernelSpec
+from kvgen.registry import default_registry
+
+from ..cuda_emu import emulate
+from . import harness as hz
+from .reference import reference_attention
+from .test_cuda_decode import EMU_BUILD_DIR
+
+
+def test_split_major_grid_computes_the_same_attention(monkeypatch):
+    """int8 at a group of 8 over ragged lengths (an empty sequence, page and split boundaries), 1, 3 and 7 splits:
+    the (splits, heads, batch) grid's output against the float64 reference, and equal to the rendered grid's."""
+    if emulate.toolchain() is None:
+        pytest.skip("the CUDA emulation needs g++ and the CUDA headers")
+    reg = default_registry()
+    spec = KernelSpec(op="decode", scheme="int8", head_dim=64, num_kv_heads=2, gqa_group=8, page_size=16,
+                      compute_dtype="float16", arch="sm_90a", backend="cuda")
+    config = {"num_warps": 4, "depth": 2}
+    plain = emulate.load(spec, reg.schemes["int8"], EMU_BUILD_DIR, config=config)
+    rendered = emulate.render
+
+    def split_major(*args, **kwargs):
+        sources = dict(rendered(*args, **kwargs))
+        sources[".cu"] = with_split_major(sources[".cu"])
+        return sources
+
+    monkeypatch.setattr(emulate, "render", split_major)
+    variant = emulate.load(spec, reg.schemes["int8"], EMU_BUILD_DIR, config=config)
+    lengths = [517, 1, 0, 48, 33]
+    cache = hz.make_cache("int8", 64, 2, 16, lengths, "float16", device="cpu", seed=11)
+    q = hz.random_q(len(lengths), 16, 64, torch.float32, "cpu", seed=12).to(torch.float16)
+    sm_scale = 1 / math.sqrt(64)
+    ref = reference_attention(q, cache.ks, cache.vs, [n - 1 for n in lengths], sm_scale=sm_scale)
+    tol = hz.tolerance(reg.schemes["int8"], torch.float16)
+    for splits in (1, 3, 7):
+        outs = []
+        for mod in (plain, variant):
+            out = hz.poisoned_like(q)
+            mod.launch(q, out, cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, sm_scale,
+                       config=dict(config, num_splits=splits))
+            assert torch.isfinite(out).all() and hz.rel_l2(out, ref) <= tol, splits
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), splits  # the same programs, scheduled in another order
+
+
+def test_split_major_refuses_a_template_it_does_not_recognise():
+    with pytest.raises(SystemExit, match="no longer"):
+        with_split_major("__global__ void decode_kernel() {}")
+    changed = with_split_major(f"{GRID_INDEX}\n{GRID_LAUNCH}\n")
+    assert "split = blockIdx.x" in changed and "b = blockIdx.z" in changed and "dim3(a.num_splits, H, batch)" in changed
