@@ -359,8 +359,9 @@ if [ "$what" = decode-candidates ]; then
   ncu_shapes ${KVGEN_NCU_CASES:-int4:32,4096,64,8,128 int8:1,131072,64,8,128 int8:16,8192,32,4,64}
 fi
 if [ "$what" = b1-split ]; then
-  # About 7 minutes: why 1 x 131072 is every quantized scheme's outlier (int8/fp8 0.64-0.66x bf16, int4 0.48x on
-  # the H100 and the H200, against 0.52-0.56x and 0.39-0.45x at the other D=128 anchors; bf16 no slower there).
+  # About 7 minutes: why 1 x 131072 is the quantized schemes' outlier (int8/fp8 0.64-0.66x bf16 on the H100 and
+  # the H200, against 0.52-0.57x at the other D=128 anchors; int4 on the H100 0.48x against 0.39-0.42x; bf16 is
+  # no slower there).
   # The same 264 programs' work two ways: one sequence in 33 splits, and 33 sequences of 3968 tokens without
   # splits (the same pages a program and bytes, no split combine); every candidate of bf16, int8 and int4 at
   # both, as rendered and on a (splits, heads, batch) grid (at B=1 the programs scheduled side by side are then
