@@ -340,14 +340,16 @@ def test_cuda_decode_random_geometries(runner, seed):
            lengths, config=config, window=spec.sliding_window, softcap=spec.softcap, q_scale=2.0, seed=seed)
 
 
-# Shared-memory reads whose bank conflicts are known and kept (decode_stage.j2, Stage::at): the 4-byte value reads
-# of 32-byte rows (int4 at D=64, int2 at D=128) conflict 2-way, and int2's residual tiles (its last 128 tokens,
-# bf16 rows read in 32-byte value chunks) add a little more. Every other read must take one wavefront a pass.
+# Shared-memory reads whose bank conflicts are known and kept (decode_stage.j2, Stage::at and MetaView): the 4-byte
+# value reads of 32-byte rows (int4 at D=64, int2 at D=128) conflict 2-way, and int2's residual tiles (its last 128
+# tokens, bf16 rows read in 32-byte value chunks) add a little more; KIVI's per-page key metadata at D >= 128 is read
+# 2-way conflicted (storing it conflict-free spilled registers and ran slower on an H100). Every other read must take
+# one wavefront a pass; the bounds of the kept cases are today's counts, so that a read that gets worse fails.
 BANK_CASES = [  # scheme, head_dim, compute dtype, the most wavefronts a read may take on average
     ("bf16", 64, "bfloat16", 1.0), ("bf16", 128, "bfloat16", 1.0), ("fp16", 256, "float16", 1.0),
     ("int8", 64, "float16", 1.0), ("int8", 128, "bfloat16", 1.0), ("fp8", 128, "bfloat16", 1.0),
-    ("int4", 128, "bfloat16", 1.0), ("int4", 256, "bfloat16", 1.0), ("int2", 64, "float16", 1.0),
-    ("int4", 64, "float16", 1.13), ("int2", 128, "bfloat16", 1.15),
+    ("int2", 64, "float16", 1.0), ("int4", 64, "float16", 1.13), ("int4", 128, "bfloat16", 1.58),
+    ("int4", 256, "bfloat16", 1.62), ("int2", 128, "bfloat16", 1.72),
 ]
 
 
