@@ -1,13 +1,28 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|gemv|prefill|confirm|d64|decode-candidates|b1-split] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|gemv|prefill|confirm|d64|decode-candidates|b1-split|timing-context|prerender] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
+# (prerender: on the CPU machine, before the device call -- see its block)
 # tp (several GPUs): benchmarks/tp_scaling.py (NCCL equivalence + decode scaling) into $OUT/tp, then the
 # NCCL test. KVGEN_GPU_TEST_SELECT narrows the tests (pytest arguments, default "tests"); stories260K comes from tests/assets.
 set -uo pipefail
 what="${1:-all}"; shift || true
+if [ "$what" = prerender ]; then
+  # On a machine with the repository's history (no GPU needed), before a device call: the device machine's copy of
+  # the tree has no history, so the kernels of older revisions that a mode compares with are rendered here, into
+  # .gpu/ (ignored by git), and travel with the call (the device tool's carry: [".gpu"]). A mode uses .gpu/<name>
+  # where it is there, else renders the tree's kernels alone.
+  set -e
+  py=python3; [ -x .venv/bin/python ] && py=.venv/bin/python  # the README's set-up makes .venv
+  rm -rf .gpu/d128 && mkdir -p .gpu
+  # decode-candidates: 4aa14cc's KIVI key metadata (its per-page blocks transposed; 8002557 stores them in order
+  # again) as the base, against the tree
+  $py -m benchmarks.experiments.decode_variants render .gpu/d128 --schemes int8,int4,int2 --base 4aa14cc
+  ls .gpu/d128
+  exit 0
+fi
 OUT="${OUT:-/tmp/kvgen-out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 KVGEN_TEST_DEVICE=cuda KVGEN_CACHE_DIR="${KVGEN_CACHE_DIR:-/tmp/kvgen-cache}"
 {
@@ -340,25 +355,37 @@ if [ "$what" = d64 ]; then
   grep -E "^decode " "$OUT/decode-d64.log" | cut -c1-130
 fi
 if [ "$what" = decode-candidates ]; then
-  # About 9 minutes: every CUDA candidate of int8 and int4 at 1 x 131072 and 32 x 4096 (64/8, D=128): the kernel
-  # before b609346 (32-bit page ids) as the base, de6ca45's (after it, before 4aa14cc's conflict-free KIVI key
-  # metadata; int8 is its control: unchanged by 4aa14cc), the tree's, and the tree's with a looser register cap;
-  # then Nsight Compute on one tuned launch of the cases that miss issue 16's goals
-  # (KVGEN_NCU_CASES="scheme:B,L,Hq,Hkv,D ...").
-  v=/tmp/kvgen-d128-variants; rm -rf "$v" "$v-mid"
-  # the bases need the repository's history (without it, the tree's kernel alone); regs20: the tree's kernel with
-  # its register cap at 20 warps an SM instead of 16 (offline: int4 96 registers, 80 bytes spilled, +9% loop)
-  python3 -m benchmarks.experiments.decode_variants render "$v" --schemes int8,int4 --base 8587e12 --reg-caps 20 \
-    2>/dev/null || { rm -rf "$v"; python3 -m benchmarks.experiments.decode_variants render "$v" --schemes int8,int4 \
-    --base tree --reg-caps 20 2>/dev/null; }
-  python3 -m benchmarks.experiments.decode_variants render "$v-mid" --schemes int8,int4 --base de6ca45 2>/dev/null \
-    && for s in int8 int4; do cp "$v-mid/$s--base.cu" "$v/$s--de6ca45.cu"; done
-  timeout 240 python3 -m benchmarks.experiments.decode_variants time "$v" --shapes 1x131072,32x4096 \
+  # About 5 minutes: int8, int4 and int2 at 1 x 131072 and 32 x 4096 (64/8, D=128), every candidate, as 4aa14cc
+  # rendered them (its KIVI key metadata transposed against bank conflicts; an H100 ran int4 2.6-8% slower with it
+  # and 8002557 stores it in order again: does the H200 agree?) and as the tree does; int8, which it did not change,
+  # is the control. Then Nsight Compute on one tuned launch of the cases that miss issue 16's goals
+  # (KVGEN_NCU_CASES="scheme:B,L,Hq,Hkv,D ..."). Run `prerender` on the CPU machine first (else the tree alone).
+  v=.gpu/d128
+  [ -d "$v" ] || { v=/tmp/kvgen-d128-variants; rm -rf "$v"
+    python3 -m benchmarks.experiments.decode_variants render "$v" --schemes int8,int4,int2 --base tree 2>/dev/null; }
+  timeout 200 python3 -m benchmarks.experiments.decode_variants time "$v" --shapes 1x131072,32x4096 \
     --out "$OUT/candidates-d128.json" >"$OUT/candidates-d128.log" 2>&1
-  echo "D=128 candidates: exit $?"; grep -v "^built" "$OUT/candidates-d128.log" | tail -8 | cut -c1-160
-  ncu_shapes ${KVGEN_NCU_CASES:-int4:32,4096,64,8,128 int8:1,131072,64,8,128 int8:16,8192,32,4,64}
+  echo "D=128 candidates: exit $?"; grep -v "^built" "$OUT/candidates-d128.log" | tail -12 | cut -c1-160
+  ncu_shapes ${KVGEN_NCU_CASES:-int4:32,4096,64,8,128 int8:1,131072,64,8,128}
+fi
+if [ "$what" = timing-context ]; then
+  # About 5 minutes: why benchmarks.run's table reads int8 at 1 x 131072 at 118 us on an H100 when decode_variants
+  # times the same kernel and config at 101-103 us (2026-12-05-nvidia-h100-2; an H200 read fp8 there at 82 against
+  # 75): the tuner's timings and pick, the pick timed again and after 3 s idle (benchmarks/experiments/tuner_check);
+  # the table for int8 alone at that shape, and with the shapes in the other order.
+  timeout 150 python3 -m benchmarks.experiments.tuner_check --schemes int8,int4 --shapes 1x131072 \
+    --out "$OUT/tuner-check.json" >"$OUT/tuner-check.log" 2>&1
+  echo "tuner check: exit $?"; cut -c1-400 "$OUT/tuner-check.log" | tail -9
+  timeout 80 python3 -m benchmarks.run --ops decode --schemes int8 --backend auto --shapes 1x131072 \
+    --out "$OUT/decode-int8-b1" >"$OUT/decode-int8-b1.log" 2>&1
+  echo "int8 alone at 1 x 131072: exit $?"; grep -E "^decode " "$OUT/decode-int8-b1.log"
+  timeout 100 python3 -m benchmarks.run --ops decode --schemes bf16,int8 --backend auto --shapes 32x4096,1x131072 \
+    --out "$OUT/decode-reordered" >"$OUT/decode-reordered.log" 2>&1
+  echo "bf16 and int8, 32 x 4096 first: exit $?"; grep -E "^decode " "$OUT/decode-reordered.log"
 fi
 if [ "$what" = b1-split ]; then
+  # (Ran on an H100, 2026-12-05-nvidia-h100-2: 2-4% apart for every scheme, the grid order no matter; the outlier is
+  # the table's timing, see timing-context.)
   # About 7 minutes: why 1 x 131072 is the quantized schemes' outlier (int8/fp8 0.64-0.66x bf16 on the H100 and
   # the H200, against 0.52-0.57x at the other D=128 anchors; int4 on the H100 0.48x against 0.39-0.42x; bf16 is
   # no slower there).
