@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|gemv|prefill|confirm|d64|decode-candidates|b1-split|timing-context|prerender] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|gemv|prefill|confirm|d64|decode-candidates|b1-split|timing-context|page-order|prerender] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # (prerender: on the CPU machine, before the device call -- see its block)
@@ -382,6 +382,15 @@ if [ "$what" = timing-context ]; then
   timeout 100 python3 -m benchmarks.run --ops decode --schemes bf16,int8 --backend auto --shapes 32x4096,1x131072 \
     --out "$OUT/decode-reordered" >"$OUT/decode-reordered.log" 2>&1
   echo "bf16 and int8, 32 x 4096 first: exit $?"; grep -E "^decode " "$OUT/decode-reordered.log"
+fi
+if [ "$what" = page-order ]; then
+  # About 3 minutes: whether bf16's 1.05-1.06x SDPA at D=64 (0.84 of the copy bandwidth on an H100 against 0.97 at
+  # D=128) is the random page order the benchmark times on (2 KB a page and head at D=64) or the kernel: bf16 and
+  # int8 at 16 x 8192 (32/4, D=64) and 32 x 4096 (64/8, D=128), every candidate on random and on contiguous pages,
+  # SDPA alongside (benchmarks/experiments/page_order).
+  timeout 200 python3 -m benchmarks.experiments.page_order --schemes bf16,int8 --shapes 16x8192:32,4,64 \
+    --shapes 32x4096:64,8,128 --out "$OUT/page-order.json" >"$OUT/page-order.log" 2>&1
+  echo "page order: exit $?"; grep -v "^built" "$OUT/page-order.log" | tail -12 | cut -c1-160
 fi
 if [ "$what" = b1-split ]; then
   # (Ran on an H100, 2026-12-05-nvidia-h100-2: 2-4% apart for every scheme, the grid order no matter; the outlier is
