@@ -35,6 +35,7 @@ def check(scheme_name: str, B: int, L: int, Hq: int, Hkv: int, D: int, backend: 
     from benchmarks.decode_timing import DecodeTimer
     from benchmarks.run import DecodeCase, kernel_module
     from kvgen.runtime.autotune import Autotuner, default_timer
+    from kvgen.runtime.autotune_keys import bucket
     from kvgen.runtime.autotune_model import ranked_candidates
 
     mod, scheme = kernel_module("decode", scheme_name, Hkv, Hq // Hkv, D, backend=backend)
@@ -61,7 +62,6 @@ def check(scheme_name: str, B: int, L: int, Hq: int, Hkv: int, D: int, backend: 
     with tempfile.TemporaryDirectory(prefix="kvgen-tuner-check-") as tmp:
         tuner = Autotuner(torch.device("cuda"), mode="sync", progress=False, directory=tmp, timer=recording_timer)
         chosen = tuner.config("decode", mod, (B, L), make_bench)
-        from kvgen.runtime.autotune_keys import bucket
         ranked = ranked_candidates("decode", mod, tuple(bucket(n) for n in (B, L)), tuner.sms, tuner.max_candidates)
     every = {json.dumps(c, sort_keys=True): c for c in [*mod.candidates(B, L), *ranked]}
     timed = sorted(((dt.ms(launch, c), c) for c in every.values()), key=lambda t: t[0])
