@@ -34,22 +34,27 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
   || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
 [ -d plugins/kvgen-nuq ] && python3 -m pip install -q --no-deps --no-build-isolation -e plugins/kvgen-nuq >>"$OUT/install.log" 2>&1
 python3 -m kvgen.cli schemes
-# Nsight Compute on one tuned CUDA decode launch per "scheme:B,L,Hq,Hkv,D" argument, summarized into
-# $OUT/ncu-summary.txt, the raw CSVs archived as $OUT/ncu.tgz (the device tool brings back only a few files)
+# Nsight Compute on one tuned decode launch per "scheme[:backend][:B,L,Hq,Hkv,D]" argument (backend cuda or triton,
+# default cuda; shape default ncu_decode's, 32 x 4096, 64/8, D=128), summarized into $OUT/ncu-summary.txt, the raw
+# CSVs archived as $OUT/ncu.tgz (the device tool brings back only a few files)
 ncu_shapes() {
   command -v ncu >/dev/null || { echo "no ncu on this machine"; return 0; }
-  local sections="" s case shape tag
+  local sections="" s f case backend shape tag args
   for s in SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats ComputeWorkloadAnalysis \
     MemoryWorkloadAnalysis InstructionStats; do sections="$sections --section $s"; done
   mkdir -p "$OUT/ncu"
   for case in "$@"; do
-    s=${case%%:*}; shape=${case##*:}; tag=$s-${shape//,/-}
-    timeout 60 python3 -m benchmarks.experiments.ncu_decode run --scheme "$s" --backend cuda --shape "$shape" \
-      --work "/tmp/kvgen-ncu-$tag" --tune 2>&1 | tail -1
-    timeout 60 ncu --clock-control none --target-processes all -k 'regex:^_?decode_kernel' --launch-skip 2 \
-      --launch-count 1 $sections --csv --page raw python3 -m benchmarks.experiments.ncu_decode run --scheme "$s" \
-      --backend cuda --shape "$shape" --work "/tmp/kvgen-ncu-$tag" >"$OUT/ncu/ncu-$tag.csv" 2>"$OUT/ncu/ncu-$tag.err"
-    echo "ncu $tag: exit $?"
+    s=${case%%:*}; backend=cuda; shape=""
+    for f in $(echo "${case#"$s"}" | tr ':' ' '); do
+      case $f in *,*) shape=$f ;; *) backend=$f ;; esac
+    done
+    tag=$s-$backend${shape:+-${shape//,/-}}
+    args=(--scheme "$s" --backend "$backend" ${shape:+--shape "$shape"} --work "/tmp/kvgen-ncu-$tag")
+    timeout 90 python3 -m benchmarks.experiments.ncu_decode run "${args[@]}" --tune 2>&1 | tail -1
+    timeout 120 ncu --clock-control none --target-processes all -k 'regex:^_?decode_kernel' --launch-skip 2 \
+      --launch-count 1 $sections --csv --page raw python3 -m benchmarks.experiments.ncu_decode run "${args[@]}" \
+      >"$OUT/ncu/ncu-$tag.csv" 2>"$OUT/ncu/ncu-$tag.err"
+    echo "ncu $tag: exit $?"; grep -v "^==PROF==" "$OUT/ncu/ncu-$tag.err" | tail -2
   done
   python3 -m benchmarks.experiments.ncu_decode summary "$OUT"/ncu/ncu-*.csv | tee "$OUT/ncu-summary.txt"
   tar czf "$OUT/ncu.tgz" -C "$OUT/ncu" . && rm -rf "$OUT/ncu"
@@ -196,22 +201,8 @@ fi
 if [ "$what" = ncu ]; then
   # About 6 minutes: Nsight Compute on one launch of each decode kernel at B=32, L=4096, 64/8 heads, D=128
   # (issue 16: registers, occupancy, pipe utilization and warp stalls of every scheme that misses its goal).
-  # Each case is tuned first outside the profiler; KVGEN_NCU_CASES overrides the scheme:backend list.
-  command -v ncu >/dev/null || { echo "no ncu on this machine"; exit 0; }
-  sections=""; for s in SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats ComputeWorkloadAnalysis \
-    MemoryWorkloadAnalysis InstructionStats; do sections="$sections --section $s"; done
-  for case in ${KVGEN_NCU_CASES:-bf16:triton bf16:cuda int8:cuda fp8:cuda int4:cuda int2:cuda}; do
-    s=${case%%:*}; b=${case##*:}
-    timeout 90 python3 -m benchmarks.experiments.ncu_decode run --scheme "$s" --backend "$b" --work /tmp/kvgen-ncu \
-      --tune 2>&1 | tail -1
-    timeout 120 ncu --clock-control none --target-processes all -k 'regex:^_?decode_kernel' --launch-skip 2 \
-      --launch-count 1 $sections --csv --page raw python3 -m benchmarks.experiments.ncu_decode run --scheme "$s" \
-      --backend "$b" --work /tmp/kvgen-ncu >"$OUT/ncu-$s-$b.csv" 2>"$OUT/ncu-$s-$b.err"
-    echo "ncu $s $b: exit $?"; grep -v "^==PROF==" "$OUT/ncu-$s-$b.err" | tail -2
-  done
-  python3 -m benchmarks.experiments.ncu_decode summary "$OUT"/ncu-*.csv | tee "$OUT/ncu-summary.txt"
-  # one archive: the device tool brings back only a few files a call
-  tar czf "$OUT/ncu.tgz" -C "$OUT" $(cd "$OUT" && ls ncu-*) && (cd "$OUT" && rm -f ncu-*.csv ncu-*.err)
+  # Each case is tuned first outside the profiler; KVGEN_NCU_CASES overrides the list (ncu_shapes' form).
+  ncu_shapes ${KVGEN_NCU_CASES:-bf16:triton bf16:cuda int8:cuda fp8:cuda int4:cuda int2:cuda}
 fi
 if [ "$what" = engine-tuned ]; then
   # About 8 minutes: issue 14's step goals with tuned decode configs. The graphs take the runtime's config for
