@@ -106,7 +106,7 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
                   max_vs_base: float = 1e-2, hq: int = HQ, hkv: int = HKV, d: int = D) -> list[dict]:
     import torch
 
-    from benchmarks.run import DecodeCase, kernel_module, rel_l2
+    from benchmarks.run import DecodeCase, best_config, kernel_module, rel_l2
     from kvgen.runtime.kernel_timer import cold_page_tables, cycling, graph_time_ms
 
     build_all(sorted(src_dir.glob("*.cu")))
@@ -144,12 +144,9 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
                     continue
                 if base_out is None:
                     base_out = check
-                times = []
-                for cfg in mod.candidates(B, L):
-                    run = cycling(tables, lambda bt, cfg=cfg: mod.launch(case.q, out_t, pools, bt, case.seq_lens,
-                                                                        case.num_compressed, sm, cfg))
-                    times.append((graph_time_ms(run), cfg))
-                ms, cfg = min(times, key=lambda t: t[0])
+                ms, cfg, times = best_config(mod, None, B, L, lambda c: graph_time_ms(cycling(
+                    tables, lambda bt: mod.launch(case.q, out_t, pools, bt, case.seq_lens, case.num_compressed, sm,
+                                                  c))))
                 if base_ms is None:
                     base_ms = ms
                 rec = {"scheme": scheme_name, "variant": variant, "B": B, "L": L, "heads": [hq, hkv], "head_dim": d,

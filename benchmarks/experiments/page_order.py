@@ -24,6 +24,8 @@ import json
 import math
 import sys
 
+from kvgen.atomic import write_atomic
+
 
 def contiguous_tables(tables: list, pool_rows: int) -> list:
     """Tables of the shape of ``tables`` in which copy i holds pages i * B * P .. as rows of consecutive ids."""
@@ -39,7 +41,7 @@ def contiguous_tables(tables: list, pool_rows: int) -> list:
 def measure(scheme_name: str, B: int, L: int, Hq: int, Hkv: int, D: int) -> dict:
     import torch
 
-    from benchmarks.run import DecodeCase, kernel_module, sdpa_decode_times
+    from benchmarks.run import DecodeCase, best_config, kernel_module, sdpa_decode_times
     from kvgen.runtime.kernel_timer import cold_page_tables, cycling, graph_time_ms
 
     mod, scheme = kernel_module("decode", scheme_name, Hkv, Hq // Hkv, D, backend="cuda")
@@ -54,12 +56,8 @@ def measure(scheme_name: str, B: int, L: int, Hq: int, Hkv: int, D: int) -> dict
     rec = {"scheme": scheme_name, "B": B, "L": L, "heads": [Hq, Hkv], "head_dim": D, "copies": len(rand),
            "sdpa_ms": sdpa_decode_times(case, timers=("graph",))["graph"]}
     for order, tables in (("random", rand), ("contiguous", contig), ("random again", rand)):
-        times = []
-        for cfg in mod.candidates(B, L):
-            run = cycling(tables, lambda bt, cfg=cfg: mod.launch(case.q, out, pools, bt, case.seq_lens,
-                                                                case.num_compressed, sm, cfg))
-            times.append((graph_time_ms(run), cfg))
-        ms, cfg = min(times, key=lambda t: t[0])
+        ms, cfg, times = best_config(mod, None, B, L, lambda c, tables=tables: graph_time_ms(cycling(
+            tables, lambda bt: mod.launch(case.q, out, pools, bt, case.seq_lens, case.num_compressed, sm, c))))
         rec[order] = {"ms": ms, "config": cfg, "x_sdpa": ms / rec["sdpa_ms"], "candidates": times}
         print(f"{scheme_name:5s} B={B:3d} L={L:6d} D={D:3d} {order:12s} {ms * 1e3:7.1f} us  x{ms / rec['sdpa_ms']:.3f} "
               f"SDPA ({rec['sdpa_ms'] * 1e3:.1f} us)  {cfg}", flush=True)
@@ -84,10 +82,9 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
             if a.out:  # rewritten after each record: a cut run keeps what it measured
                 import datetime
-                with open(a.out, "w") as f:
-                    json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "records": records}, f, indent=1, default=str)
+                write_atomic(a.out, json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                                                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                                "records": records}, indent=1, default=str))
     return 0
 
 

@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+from kvgen.atomic import write_atomic
+
 IDLE_S = 3.0
 
 
@@ -106,10 +108,9 @@ def main(argv=None) -> int:
             if a.out:  # rewritten after each record: a cut run keeps what it measured
                 import datetime
 
-                with open(a.out, "w") as f:
-                    json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "records": records}, f, indent=1)
+                write_atomic(a.out, json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                                                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                                "records": records}, indent=1))
     return 0
 
 
