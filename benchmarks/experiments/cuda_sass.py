@@ -2,14 +2,17 @@
 instruction mix of its tile loop, per scheme and template instance (``decode_kernel<NW, DEPTH>``).
 
     python -m benchmarks.experiments.cuda_sass int4 int8 bf16 [--head-dim 128] [--gqa 8] [--page 16]
-                                              [--instance 4,3] [--sass-dir DIR] [--reg-cap-warps 24]
+                                              [--instance 4,3] [--sass-dir DIR] [--reg-cap-warps 24] [--by-line 25]
 
 For each scheme it renders the decode kernel as ``kvgen compile --backend cuda`` does (one layer, 8 KV
 heads, bf16 compute), compiles it with nvcc to a cubin (``-O3 -arch=sm_90a -Xptxas -v``; the flags of the
 runtime's build minus ``--shared``), reads ptxas's per-function report, and disassembles with the
 ``cuobjdump`` Triton ships. The "tile loop" is the largest loop of the instance's SASS (the longest span
 between a backward branch and its target, all instructions inside it counted once: per warp, per pass);
-its opcodes are grouped by their first word (IMAD.MOV and IMAD.WIDE count as IMAD). This is the offline
+its opcodes are grouped by their first word (IMAD.MOV and IMAD.WIDE count as IMAD). The count "when no maximum
+moves" leaves out the lazy rescale, the branch the loop's vote skips on most tiles. ``--by-line N`` lists the N
+source lines of the rendered kernel that most instructions of that path come from (``nvdisasm -gi``, the
+innermost inlined line, and the line it was inlined at), the cost map of the tile loop. This is the offline
 companion of ``gpu_session.sh ncu``: instruction counts move before a GPU is at hand, timings do not.
 """
 
@@ -25,23 +28,54 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.experiments.sass_text import opcode
+from benchmarks.experiments.sass_text import opcode, skipped_by_vote, source_lines
 
 NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "-arch=sm_90a", "-cubin", "-Xptxas", "-v")
 INSTANCE = re.compile(r"decode_kernelILi(\d+)ELi(\d+)E")
 
 
-def cuobjdump() -> str | None:
-    """``cuobjdump`` on the PATH, else the one in Triton's NVIDIA backend (no CUDA toolkit install needed)."""
-    found = shutil.which("cuobjdump")
+def cuda_tool(name: str) -> str | None:
+    """``name`` (cuobjdump, nvdisasm) on the PATH, else the one in Triton's NVIDIA backend (no CUDA toolkit
+    install needed)."""
+    found = shutil.which(name)
     if found:
         return found
     try:
         import triton
     except ImportError:
         return None
-    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
     return str(path) if path.is_file() else None
+
+
+def cuobjdump() -> str | None:
+    """``cuobjdump`` (:func:`cuda_tool`)."""
+    return cuda_tool("cuobjdump")
+
+
+def line_costs(cubin: Path, function: str, addresses: list[int], source: Path, top: int) -> list[str]:
+    """The ``top`` lines of ``source`` (the rendered .cu the cubin was built from) that most of the instructions at
+    ``addresses`` of ``function`` come from: per instruction its innermost frame in that file (an intrinsic's header
+    line is not it) and the line that frame was inlined at, each shown as "count  L<line> <text>  (at L<line>:
+    <text>)"; a note where there is no nvdisasm."""
+    tool = cuda_tool("nvdisasm")
+    if tool is None:
+        return ["    (no nvdisasm: no source lines)"]
+    text = subprocess.run([tool, "-gi", str(cubin)], capture_output=True, text=True, check=True).stdout
+    own = source.read_text().splitlines()
+    counts = collections.Counter()
+    for chain in map(source_lines(text, function).get, addresses):
+        mine = [n for f, n in chain or [] if Path(f).name == source.name]
+        counts[tuple(mine[:2])] += 1
+
+    def show(n: int) -> str:
+        return own[n - 1].strip()[:90] if 0 < n <= len(own) else "?"
+    out = []
+    for chain, n in counts.most_common(top):
+        where = f"L{chain[0]:<5d} {show(chain[0])}" if chain else "(no line)"
+        via = f"  (at L{chain[1]}: {show(chain[1])[:50]})" if len(chain) > 1 else ""
+        out.append(f"    {n:4d}  {where}{via}")
+    return out
 
 
 REG_CAP = "__launch_bounds__(NW * 32, 16 / NW)"
@@ -166,6 +200,7 @@ def analyse(scheme: str, args: argparse.Namespace, work: Path) -> list[str]:
         if built.get(want) != name:
             continue
         loop = largest_loop(instrs)
+        rare = skipped_by_vote(loop)
         mix = collections.Counter(opcode(t) for _, t in loop)
         mmas = mix.get("HMMA", 0)
         # one pass = one 16-token tile: (D/16 k-steps of K q^T + D/16 row tiles of V^T P^T) MMAs per 8 heads, and
@@ -174,7 +209,11 @@ def analyse(scheme: str, args: argparse.Namespace, work: Path) -> list[str]:
         tiles = mmas / per_tile if mmas else 0
         per_token = f", {len(loop) / (16 * tiles):.1f} warp-instructions per token and KV head" if tiles else ""
         lines.append(f"  {scheme} <{want[0]},{want[1]}> SASS: {len(instrs)} instructions, tile loop {len(loop)}"
-                     f"{per_token}: " + ", ".join(f"{k} {v}" for k, v in mix.most_common(14)))
+                     f" ({len(loop) - len(rare)} when no maximum moves){per_token}: "
+                     + ", ".join(f"{k} {v}" for k, v in mix.most_common(14)))
+        if args.by_line:
+            lines.append(f"  where the {len(loop) - len(rare)} come from (instructions, innermost source line):")
+            lines += line_costs(cubin, name, [a for a, _ in loop if a not in rare], src, args.by_line)
         if args.sass_dir:
             Path(args.sass_dir).mkdir(parents=True, exist_ok=True)
             (Path(args.sass_dir) / f"{scheme}-{want[0]}-{want[1]}.sass").write_text(
@@ -190,6 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--instance", default="4,3", help="NW,DEPTH of the instance whose SASS is read (default 4,3)")
     ap.add_argument("--sass-dir", default=None, help="also write that instance's SASS here")
+    ap.add_argument("--by-line", type=int, default=0, metavar="N",
+                    help="also list the N source lines most instructions of the tile loop's usual path come from")
     ap.add_argument("--reg-cap-warps", type=int, default=None,
                     help="hold registers to this many warps an SM instead of the template's 16 (__launch_bounds__)")
     args = ap.parse_args(argv)
