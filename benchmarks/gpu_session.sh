@@ -12,15 +12,20 @@ what="${1:-all}"; shift || true
 if [ "$what" = prerender ]; then
   # On a machine with the repository's history (no GPU needed), before a device call: the device machine's copy of
   # the tree has no history, so the kernels of older revisions that a mode compares with are rendered here, into
-  # .gpu/ (ignored by git), and travel with the call (the device tool's carry: [".gpu"]). A mode uses .gpu/<name>
-  # where it is there, else renders the tree's kernels alone.
+  # .gpu/ (ignored by git), and travel with the call (the device tool's carry: [".gpu"]): decode-candidates reads
+  # them.
   set -e
   py=python3; [ -x .venv/bin/python ] && py=.venv/bin/python  # the README's set-up makes .venv
-  rm -rf .gpu/d128 && mkdir -p .gpu
-  # decode-candidates: 4aa14cc's KIVI key metadata (its per-page blocks transposed; 8002557 stores them in order
-  # again) as the base, against the tree
-  $py -m benchmarks.experiments.decode_variants render .gpu/d128 --schemes int8,int4,int2 --base 4aa14cc
-  ls .gpu/d128
+  # decode-candidates: the checked-out tree (a candidate branch) against KVGEN_PRERENDER_BASE (default main), every
+  # scheme at the D=128 anchors' heads (64/8) and bf16, int8 and int4 at D=64 (32/4). On main itself: the tree alone.
+  base="${KVGEN_PRERENDER_BASE:-main}"
+  [ "$(git rev-parse HEAD)" = "$(git rev-parse "$base")" ] && [ -z "$(git status --porcelain -- templates plugins)" ] \
+    && base=tree
+  rm -rf .gpu/d128 .gpu/d64 && mkdir -p .gpu
+  $py -m benchmarks.experiments.decode_variants render .gpu/d128 --schemes bf16,fp8,int8,int4,int2 --base "$base"
+  $py -m benchmarks.experiments.decode_variants render .gpu/d64 --schemes bf16,int8,int4 --base "$base" \
+    --heads 32,4 --head-dim 64
+  ls .gpu/d128 .gpu/d64
   exit 0
 fi
 OUT="${OUT:-/tmp/kvgen-out}"; mkdir -p "$OUT"
@@ -346,18 +351,20 @@ if [ "$what" = d64 ]; then
   grep -E "^decode " "$OUT/decode-d64.log" | cut -c1-130
 fi
 if [ "$what" = decode-candidates ]; then
-  # About 5 minutes: int8, int4 and int2 at 1 x 131072 and 32 x 4096 (64/8, D=128), every candidate, as 4aa14cc
-  # rendered them (its KIVI key metadata transposed against bank conflicts; an H100 ran int4 2.6-8% slower with it
-  # and 8002557 stores it in order again: does the H200 agree?) and as the tree does; int8, which it did not change,
-  # is the control. Then Nsight Compute on one tuned launch of the cases that miss issue 16's goals
-  # (KVGEN_NCU_CASES="scheme:B,L,Hq,Hkv,D ..."). Run `prerender` on the CPU machine first (else the tree alone).
-  v=.gpu/d128
-  [ -d "$v" ] || { v=/tmp/kvgen-d128-variants; rm -rf "$v"
-    python3 -m benchmarks.experiments.decode_variants render "$v" --schemes int8,int4,int2 --base tree 2>/dev/null; }
-  timeout 200 python3 -m benchmarks.experiments.decode_variants time "$v" --shapes 1x131072,32x4096 \
+  # About 4 minutes: the sources `prerender` wrote on the CPU machine (the checked-out tree against main, or the tree
+  # alone), every candidate of each timed at 1 x 131072 and 32 x 4096 (64/8, D=128) and 16 x 8192 (32/4, D=64), each
+  # variant's output checked against the base's; then Nsight Compute on one tuned launch of the cases that miss issue
+  # 16's goals (KVGEN_NCU_CASES="scheme:B,L,Hq,Hkv,D ..."; none with KVGEN_NCU_CASES=none).
+  [ -d .gpu/d128 ] || { echo "no .gpu/d128: run 'bash benchmarks/gpu_session.sh prerender' first, carry .gpu"; exit 1; }
+  timeout 200 python3 -m benchmarks.experiments.decode_variants time .gpu/d128 --shapes 32x4096,1x131072 \
     --out "$OUT/candidates-d128.json" >"$OUT/candidates-d128.log" 2>&1
-  echo "D=128 candidates: exit $?"; grep -v "^built" "$OUT/candidates-d128.log" | tail -12 | cut -c1-160
-  ncu_shapes ${KVGEN_NCU_CASES:-int4:32,4096,64,8,128 int8:1,131072,64,8,128}
+  echo "D=128 candidates: exit $?"; grep -v "^built" "$OUT/candidates-d128.log" | tail -20 | cut -c1-160
+  if [ -d .gpu/d64 ]; then
+    timeout 120 python3 -m benchmarks.experiments.decode_variants time .gpu/d64 --shapes 16x8192 --heads 32,4 \
+      --head-dim 64 --out "$OUT/candidates-d64.json" >"$OUT/candidates-d64.log" 2>&1
+    echo "D=64 candidates: exit $?"; grep -v "^built" "$OUT/candidates-d64.log" | tail -8 | cut -c1-160
+  fi
+  [ "${KVGEN_NCU_CASES:-}" = none ] || ncu_shapes ${KVGEN_NCU_CASES:-int4:32,4096,64,8,128 int8:1,131072,64,8,128}
 fi
 if [ "$what" = timing-context ]; then
   # About 5 minutes: why benchmarks.run's table reads int8 at 1 x 131072 at 118 us on an H100 when decode_variants
