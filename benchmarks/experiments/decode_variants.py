@@ -30,7 +30,6 @@ processes at once, so the first timed launch of a variant waits on no compile.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import subprocess
@@ -106,6 +105,7 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
                   max_vs_base: float = 1e-2, hq: int = HQ, hkv: int = HKV, d: int = D) -> list[dict]:
     import torch
 
+    from benchmarks.experiments.records import write_records
     from benchmarks.run import DecodeCase, best_config, kernel_module, rel_l2
     from kvgen.runtime.kernel_timer import cold_page_tables, cycling, graph_time_ms
 
@@ -158,12 +158,7 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
                       f"err {err:.4f}  vs base {vs_base:.2e}  {cfg}", flush=True)
             del case, pools, tables
     if out is not None:
-        import datetime
-
-        import triton
-        out.write_text(json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                                   "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                   "triton": triton.__version__, "records": records}, indent=1))
+        write_records(out, records)
     return records
 
 

@@ -20,11 +20,10 @@ Usage (on a GPU): ``python -m benchmarks.experiments.page_order --schemes bf16,i
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 
-from kvgen.atomic import write_atomic
+from benchmarks.experiments.records import write_records
 
 
 def contiguous_tables(tables: list, pool_rows: int) -> list:
@@ -70,6 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", action="append", default=None, help="BxL:HQ,HKV,D (repeatable)")
     p.add_argument("--out")
     a = p.parse_args(argv)
+    import torch
+
     shapes = a.shapes or ["16x8192:32,4,64", "32x4096:64,8,128"]
     records = []
     for shape in shapes:
@@ -78,13 +79,9 @@ def main(argv=None) -> int:
         Hq, Hkv, D = (int(x) for x in heads.split(","))
         for s in a.schemes.split(","):
             records.append(measure(s, B, L, Hq, Hkv, D))
-            import torch
             torch.cuda.empty_cache()
             if a.out:  # rewritten after each record: a cut run keeps what it measured
-                import datetime
-                write_atomic(a.out, json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                                                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                                "records": records}, indent=1, default=str))
+                write_records(a.out, records)
     return 0
 
 

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from kvgen.atomic import write_atomic
+from benchmarks.experiments.records import write_records
 
 IDLE_S = 3.0
 
@@ -97,20 +97,17 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="cuda")
     p.add_argument("--out")
     a = p.parse_args(argv)
+    import torch
+
     Hq, Hkv = (int(x) for x in a.heads.split(","))
     records = []
     for s in a.schemes.split(","):
         for shape in a.shapes.split(","):
             B, L = (int(x) for x in shape.split("x"))
             records.append(check(s, B, L, Hq, Hkv, a.head_dim, a.backend))
-            import torch
             torch.cuda.empty_cache()
             if a.out:  # rewritten after each record: a cut run keeps what it measured
-                import datetime
-
-                write_atomic(a.out, json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                                                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                                "records": records}, indent=1))
+                write_records(a.out, records)
     return 0
 
 
