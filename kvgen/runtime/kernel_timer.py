@@ -23,6 +23,16 @@ inputs the CUDA bf16 decode at the 64-dim anchor timed 0.0388 ms against
 Triton's 0.0406 and was chosen, yet ran at 1.12x SDPA under do_bench's
 cold L2 where Triton ran at 1.00-1.04x.
 
+A GPU that sat idle, or only ran short bursts between host work (a bench
+building its inputs, the tuner compiling its next candidate), starts slow:
+on an H100 (benchmarks/results/2026-12-05-nvidia-h100-4, placement.json)
+the first 6 replays of int8 decode at 1 x 131072 right after its inputs were
+built took 118 us a call, every later one 102, a step, not a ramp. The timer
+therefore replays its graph untimed for ``WARM_MS`` first, unless it timed
+something less than ``WARM_GAP_S`` ago; without that, a table's first
+timing after each case build and the tuner's first candidate read up to
+16% slow.
+
 ``fn`` must be capturable (no host synchronization); where capture fails
 the timer falls back to do_bench (which flushes L2 itself). Off CUDA (the interpreter) it is do_bench too.
 """
@@ -30,6 +40,8 @@ the timer falls back to do_bench (which flushes L2 itself). Off CUDA (the interp
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -45,6 +57,12 @@ LONG_REPLAYS = 3
 COLD_FACTOR = 3
 """Between two uses of one input set, the timed calls read at least this many L2 caches' worth of others."""
 MAX_COLD_COPIES = MAX_CALLS
+WARM_MS = 20.0
+"""Untimed replays before the timed ones last about this long (the slow start measured above lasted ~7 ms)."""
+WARM_GAP_S = 0.5
+"""A timing that starts within this many seconds of the previous one's end finds the GPU warm: one untimed replay."""
+MAX_WARM_REPLAYS = 64
+_last_end = [float("-inf")]  # time.monotonic() when the previous graph_time_ms finished
 RESIDUAL_TENSORS = ("rk", "rv")
 """A residual scheme's compute-dtype page tensors in a layer's pool (the runtime's PagePool names them)."""
 
@@ -142,6 +160,15 @@ def do_bench_ms(fn: Callable[[], Any]) -> float:
     return float(do_bench(fn, warmup=5, rep=20))
 
 
+def warm_replays(replay_ms: float, idle_s: float) -> int:
+    """Untimed replays of a graph whose replay takes ``replay_ms`` before timing it, the timer having been idle
+    ``idle_s`` seconds: one (the graph's upload) within ``WARM_GAP_S``, else enough for ``WARM_MS``, at most
+    ``MAX_WARM_REPLAYS``."""
+    if idle_s < WARM_GAP_S:
+        return 1
+    return max(1, min(MAX_WARM_REPLAYS, math.ceil(WARM_MS / max(replay_ms, 1e-3))))
+
+
 def graph_time_ms(fn: Callable[[], Any]) -> float:
     """Median milliseconds per call of ``fn`` replayed from a CUDA graph (do_bench where it cannot be)."""
     if not torch.cuda.is_available():
@@ -180,6 +207,8 @@ def graph_time_ms(fn: Callable[[], Any]) -> float:
         torch.cuda.synchronize()
         return do_bench_ms(fn)
     caller.wait_stream(stream)
+    for _ in range(warm_replays(once * calls, time.monotonic() - _last_end[0])):
+        graph.replay()
     times = []
     # A call of a millisecond or more is its own graph: a few replays are enough, and a long prefill
     # candidate then costs about what do_bench spent on it, not 11 of its runs.
@@ -193,4 +222,5 @@ def graph_time_ms(fn: Callable[[], Any]) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     del graph
+    _last_end[0] = time.monotonic()
     return float(sorted(times)[len(times) // 2])
