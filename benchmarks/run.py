@@ -320,9 +320,11 @@ def decode_records(schemes, shapes, copy_bw, log, backend="triton", timer="graph
                 bf16_ms[key], bf16_do_bench[key] = ms, times["do_bench"]
             nan = float("nan")
             rec = dict(op="decode", scheme=name, B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, page_size=PAGE, ms=ms, timer=timer,
-                       ms_graph=times["graph"], ms_do_bench=times["do_bench"],
+                       ms_graph=times["graph"], ms_graph_rounds=times["graph_rounds"],
+                       ms_do_bench=times["do_bench"],
                        bytes=case.bytes, bw_fraction=case.bytes / (ms * 1e-3) / copy_bw, sdpa_ms=sdpa[timer],
-                       sdpa_ms_graph=sdpa["graph"], sdpa_ms_do_bench=sdpa["do_bench"],
+                       sdpa_ms_graph=sdpa["graph"], sdpa_ms_graph_rounds=sdpa["graph_rounds"],
+                       sdpa_ms_do_bench=sdpa["do_bench"],
                        ratio_to_sdpa=ms / sdpa[timer], ratio_to_bf16=ms / bf16_ms.get(key, nan),
                        ratio_to_sdpa_do_bench=times["do_bench"] / sdpa["do_bench"],
                        ratio_to_bf16_do_bench=times["do_bench"] / bf16_do_bench.get(key, nan),
