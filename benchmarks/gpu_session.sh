@@ -370,7 +370,9 @@ if [ "$what" = timing-context ]; then
   # About 5 minutes: why benchmarks.run's table reads int8 at 1 x 131072 at 118 us on an H100 when decode_variants
   # times the same kernel and config at 101-103 us (2026-12-05-nvidia-h100-2; an H200 read fp8 there at 82 against
   # 75): the tuner's timings and pick, the pick timed again and after 3 s idle (benchmarks/experiments/tuner_check);
-  # the table for int8 alone at that shape, and with the shapes in the other order.
+  # the table for int8 alone at that shape, and with the shapes in the other order. (Answered on 2026-12-05,
+  # benchmarks/results/2026-12-05-nvidia-h100-4: slow stretches of the GPU, not the kernel; the timer warms up, the
+  # benchmarks take the fastest of three rounds, the tuner confirms its front-runners.)
   timeout 150 python3 -m benchmarks.experiments.tuner_check --schemes int8,int4 --shapes 1x131072 \
     --out "$OUT/tuner-check.json" >"$OUT/tuner-check.log" 2>&1
   echo "tuner check: exit $?"; cut -c1-400 "$OUT/tuner-check.log" | tail -9

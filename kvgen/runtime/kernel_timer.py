@@ -25,7 +25,7 @@ cold L2 where Triton ran at 1.00-1.04x.
 
 A GPU that sat idle, or only ran short bursts between host work (a bench
 building its inputs, the tuner compiling its next candidate), starts slow:
-on an H100 (benchmarks/results/2026-12-05-nvidia-h100-4, placement.json)
+on an H100 (benchmarks/results/2026-12-05-nvidia-h100-4/4-first-replays)
 the first 6 replays of int8 decode at 1 x 131072 right after its inputs were
 built took 118 us a call, every later one 102, a step, not a ramp. The timer
 therefore replays its graph untimed for ``WARM_MS`` first, unless it timed
