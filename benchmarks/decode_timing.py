@@ -71,7 +71,7 @@ class DecodeTimer:
         return do_bench_ms(lambda: launch(cfg, self.pools, self.block_tables), rep_ms)
 
     def ms(self, launch, cfg, quick: bool = False) -> float:
-        """The primary timer's ms (``quick``: do_bench's shorter run, for ranking candidates)."""
+        """The primary timer's ms (``quick``, for ranking candidates: one graph round, or do_bench's shorter run)."""
         if self.timer == "graph":
             return min(graph_rounds_ms(self.cold_call(launch, cfg), 1 if quick else GRAPH_ROUNDS))
         return self._do_bench(launch, cfg, 60 if quick else 200)

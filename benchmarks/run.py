@@ -154,7 +154,7 @@ def sdpa_decode_ms(case: DecodeCase, timer: str = "do_bench") -> float:
     return sdpa_decode_times(case, (timer,))[timer]
 
 
-def sdpa_decode_times(case: DecodeCase, timers=("graph", "do_bench")) -> dict[str, float]:
+def sdpa_decode_times(case: DecodeCase, timers=("graph", "do_bench")) -> dict:
     from benchmarks.decode_timing import sdpa_times
 
     return sdpa_times(case.q.view(case.B, case.Hq, 1, case.D), case.k_raw, case.v_raw, timers)

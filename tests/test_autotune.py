@@ -334,3 +334,49 @@ def test_a_front_runner_read_slow_once_is_timed_again_and_wins(tmp_path):
     assert sorted(set(again)) == [0.1, 0.11]  # the two front-runners, each timed twice; the 1.0s once
     assert len(readings) == 6 + 2 <= 6 + autotune.CONFIRM_MAX
     assert t.cached("f00d" * 4 + "-src-none")["decode/b4/s512"]["ms"] == 0.1  # its faster reading is kept
+
+
+def _confirming_tuner(tmp_path, first_readings, second_readings, **kw):
+    """A tuner over six candidates (tile x warps) whose bench returns its config's key; the timer reads each bench's
+    first and second times from the two maps, advances a fake clock by 1 s a reading, and logs (key, ms)."""
+    log, clock = [], [0.0]
+
+    def timer(fn):
+        key = fn()
+        clock[0] += 1.0
+        seen = sum(k == key for k, _ in log)
+        ms = (first_readings if seen == 0 else second_readings)[key]
+        log.append((key, ms))
+        return ms
+
+    def bench(cfg):
+        return lambda: (cfg["tile"], cfg["warps"])
+
+    t = Autotuner("cpu", force=True, timer=timer, directory=tmp_path, stream=io.StringIO(),
+                  clock=lambda: clock[0], **kw)
+    return t, bench, log
+
+
+def test_confirmation_keeps_the_faster_reading_and_times_runners_up_first(tmp_path):
+    """Four candidates within CONFIRM_WITHIN: the two nearest runners-up are timed again, then the fastest (three
+    in all); the fourth is not. A second reading slower than the first leaves the first."""
+    from kvgen.runtime import autotune
+
+    first = {(16, 4): 1.00, (16, 8): 1.05, (32, 4): 1.10, (32, 8): 1.15, (64, 4): 2.0, (64, 8): 2.0}
+    second = {k: v * 1.1 for k, v in first.items()}  # every second reading slower
+    t, bench, log = _confirming_tuner(tmp_path, first, second, budget_s=100.0)
+    assert t.config("decode", fake_module(), (4, 512), bench, kernel_hash="c0de" * 4) == {"tile": 16, "warps": 4}
+    again = [k for k, _ in log[6:]]
+    assert again == [(16, 8), (32, 4), (16, 4)] and len(again) == autotune.CONFIRM_MAX
+    assert t.cached("c0de" * 4 + "-src-none")["decode/b4/s512"]["ms"] == 1.00  # the first, faster reading
+
+
+def test_a_budget_that_leaves_one_confirmation_spends_it_on_the_nearest_runner_up(tmp_path):
+    """1 s a reading and 7.5 s of budget: the six candidates take 6 s, and of the
+    confirmations only one fits. It goes to the runner-up, the true best read 15% slow, which then wins."""
+    first = {(16, 4): 1.10, (16, 8): 1.15, (32, 4): 2.0, (32, 8): 2.0, (64, 4): 2.0, (64, 8): 2.0}
+    second = {(16, 4): 1.10, (16, 8): 1.00, (32, 4): 2.0, (32, 8): 2.0, (64, 4): 2.0, (64, 8): 2.0}
+    t, bench, log = _confirming_tuner(tmp_path, first, second, budget_s=7.5)
+    assert t.config("decode", fake_module(), (4, 512), bench, kernel_hash="beef" * 4) == {"tile": 16, "warps": 8}
+    timed_once = {k for k, _ in log}
+    assert len(log) == len(timed_once) + 1 and log[-1] == ((16, 8), 1.00)

@@ -45,6 +45,8 @@ def _config(text: str) -> dict:
 
 
 def _spread(xs: list[float]) -> dict:
+    if not xs:
+        return {}
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "max_over_min": max(xs) / min(xs)}
 
 
@@ -70,14 +72,14 @@ def measure(scheme_name: str, B: int, L: int, Hq: int, Hkv: int, D: int, cfg: di
             lambda c, pools, tables: mod.launch(case.q, out, pools, tables, case.seq_lens, case.num_compressed,
                                                 sm, c), cfg))
 
-    case = DecodeCase(scheme, B, L, Hq, Hkv, D)
+    case, dt = DecodeCase(scheme, B, L, Hq, Hkv, D), None
     rec["orders"] = []
     for seed in range(orders):
         dt = timer_for(case, seed)
         rec["orders"].append({"seed": seed, "graph_us": [graph_ms(case, dt) * 1e3 for _ in range(2)]})
         print(f"{scheme_name} order seed {seed}: " + " ".join(f"{x:.1f}" for x in rec["orders"][-1]["graph_us"]),
               flush=True)
-    del case, dt
+    del case, dt  # (the timer holds the pool too)
     torch.cuda.empty_cache()
 
     rec["places"] = []
@@ -98,8 +100,8 @@ def measure(scheme_name: str, B: int, L: int, Hq: int, Hkv: int, D: int, cfg: di
     every_order = [x for o in rec["orders"] for x in o["graph_us"]]
     every_place = [x for p in rec["places"] for x in p["graph_us"]]
     rec["order_spread"], rec["place_spread"] = _spread(every_order), _spread(every_place)
-    print(f"{scheme_name}: across orders x{rec['order_spread']['max_over_min']:.3f}, "
-          f"across places x{rec['place_spread']['max_over_min']:.3f}", flush=True)
+    print(f"{scheme_name}: across orders x{rec['order_spread'].get('max_over_min', float('nan')):.3f}, "
+          f"across places x{rec['place_spread'].get('max_over_min', float('nan')):.3f}", flush=True)
     return rec
 
 

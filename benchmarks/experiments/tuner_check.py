@@ -9,9 +9,12 @@ later timing of the same config. This prints, per scheme and shape:
 
 - every config of the module's ``candidates`` and of the tuner's ranked list,
   timed by ``benchmarks.run``'s graph timer on one case (sorted);
-- each config the tuner timed, with its own ms, in its order;
+- each config the tuner timed, with its own ms, in its order (its front-runners twice: the second readings
+  are autotune's confirmation, ``CONFIRM_WITHIN``);
 - the config it chose and that config timed again, by both of benchmarks.run's timers, and by the graph timer
-  after the GPU sat idle for ``IDLE_S`` seconds.
+  after the GPU sat idle for ``IDLE_S`` seconds (since 2026-12-05 that timer warms up after an idle gap and
+  benchmarks.run takes the fastest of three rounds, so this reading no longer shows a slow start:
+  ``placement_timing``'s ``first`` does).
 
 Usage (on a GPU): ``python -m benchmarks.experiments.tuner_check --schemes int8,int4 --shapes 1x131072,32x4096
 [--backend cuda] [--out FILE]``.

@@ -51,7 +51,8 @@ predicting 1x, prefill buckets ran to 5.7-7.0 s; 1.5x still let one run to 6.2 s
 
 CONFIRM_WITHIN = 0.20
 """After each candidate was timed once, those within this fraction of the fastest are timed again (at most
-``CONFIRM_MAX``, fastest first) and keep the faster of their two readings. One reading can fall in a stretch the
+``CONFIRM_MAX``: the runners-up first, nearest first, as only they can take the lead, then the fastest, whose own
+reading is what the backend choice compares) and keep the faster of their two readings. One reading can fall in a stretch the
 GPU runs about 15% slow at unchanged clocks (H100, 2026-12-05, benchmarks/results/2026-12-05-nvidia-h100-4): read
 once, the CUDA bf16 kernel lost the backend choice to a slower Triton one at 4 of 6 anchors, and CUDA int8 to
 Triton at 1.3x its time at D=64."""
@@ -290,8 +291,8 @@ class Autotuner(AutotuneStore):
         if not readings:
             return None
         fastest = min(r[1] for r in readings)
-        for r in sorted((r for r in readings if r[1] <= fastest * (1 + CONFIRM_WITHIN)),
-                        key=lambda r: r[1])[:CONFIRM_MAX]:
+        front = sorted((r for r in readings if r[1] <= fastest * (1 + CONFIRM_WITHIN)), key=lambda r: r[1])
+        for r in front[1:CONFIRM_MAX] + front[:1]:
             if self.clock() - start + timing > self.budget_s:  # as for candidates: none ends past the budget
                 break
             try:

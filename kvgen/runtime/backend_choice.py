@@ -216,7 +216,9 @@ def _decide(tuner, op, variants, make_bench, given, key, ids, release, tuned=Tru
                         raise RuntimeError(f"no tuning candidate ran at {tuner.key(op, shape)}")
                     fn = bench(dict(entry["config"]))
                     fn()  # outside the timed region, as the tuner times candidates
-                    totals[b] += float(tuner.timer(fn))
+                    # the faster of two readings: one can fall in a stretch the GPU runs slow (autotune's
+                    # CONFIRM_WITHIN), and this sum decides between whole backends
+                    totals[b] += min(float(tuner.timer(fn)), float(tuner.timer(fn)))
                 except Exception as err:  # this variant cannot run here: the others still compete
                     failed[b] = _skip(op, b, module, err, first)
         finally:

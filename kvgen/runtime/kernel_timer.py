@@ -31,7 +31,9 @@ built took 118 us a call, every later one 102, a step, not a ramp. The timer
 therefore replays its graph untimed for ``WARM_MS`` first, unless it timed
 something less than ``WARM_GAP_S`` ago; without that, a table's first
 timing after each case build and the tuner's first candidate read up to
-16% slow.
+16% slow. The gap is a guess at what brings a slow start: after 3 s idle
+only one replay was slow, after a build six, and the timer sees only its
+own timings, not the GPU's other work.
 
 ``fn`` must be capturable (no host synchronization); where capture fails
 the timer falls back to do_bench (which flushes L2 itself). Off CUDA (the interpreter) it is do_bench too.
