@@ -29,7 +29,8 @@ on an H100 (benchmarks/results/2026-12-05-nvidia-h100-4/4-first-replays)
 the first 6 replays of int8 decode at 1 x 131072 right after its inputs were
 built took 118 us a call, every later one 102, a step, not a ramp. The timer
 therefore replays its graph untimed for ``WARM_MS`` first, unless it timed
-something less than ``WARM_GAP_S`` ago; without that, a table's first
+something less than ``WARM_GAP_S`` ago or one replay lasts that long
+(``warm_replays``); without that, a table's first
 timing after each case build and the tuner's first candidate read up to
 16% slow. The gap is a guess at what brings a slow start: after 3 s idle
 only one replay was slow, after a build six, and the timer sees only its
@@ -62,7 +63,7 @@ MAX_COLD_COPIES = MAX_CALLS
 WARM_MS = 20.0
 """Untimed replays before the timed ones last about this long (the slow start measured above lasted ~7 ms)."""
 WARM_GAP_S = 0.5
-"""A timing that starts within this many seconds of the previous one's end finds the GPU warm: one untimed replay."""
+"""A timing that starts within this many seconds of the previous one's end finds the GPU warm: no untimed replay."""
 MAX_WARM_REPLAYS = 64
 _last_end = [float("-inf")]  # time.monotonic() when the previous graph_time_ms finished
 RESIDUAL_TENSORS = ("rk", "rv")
@@ -164,11 +165,12 @@ def do_bench_ms(fn: Callable[[], Any]) -> float:
 
 def warm_replays(replay_ms: float, idle_s: float) -> int:
     """Untimed replays of a graph whose replay takes ``replay_ms`` before timing it, the timer having been idle
-    ``idle_s`` seconds: one (the graph's upload) within ``WARM_GAP_S``, else enough for ``WARM_MS``, at most
-    ``MAX_WARM_REPLAYS``."""
-    if idle_s < WARM_GAP_S:
-        return 1
-    return max(1, min(MAX_WARM_REPLAYS, math.ceil(WARM_MS / max(replay_ms, 1e-3))))
+    ``idle_s`` seconds: enough for ``WARM_MS`` (at most ``MAX_WARM_REPLAYS``) after ``WARM_GAP_S`` or more, else
+    none. None either for a replay of ``WARM_MS`` or more: a slow start then slows only the first of the timed
+    replays, which their median leaves out, and an untimed one would cost a long prefill candidate a whole run."""
+    if idle_s < WARM_GAP_S or replay_ms >= WARM_MS:
+        return 0
+    return min(MAX_WARM_REPLAYS, math.ceil(WARM_MS / max(replay_ms, 1e-3)))
 
 
 def graph_time_ms(fn: Callable[[], Any]) -> float:
