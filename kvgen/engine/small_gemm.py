@@ -18,7 +18,8 @@ Rows are bucketed by the kernel's ``BLOCK_M`` (:data:`ROW_BLOCKS`): every
 row count in a bucket runs the same config and tile, so an eager step of 20
 rows sums each row in the order the graph of 32 does.
 
-Launches that share this module's arrival counters must not overlap in
+Launches that share this module's arrival counters (owner ``COUNTER_OWNER`` of
+:mod:`kvgen.runtime.split_counters`) must not overlap in
 their counter and partial accesses. kvgen runs them on one stream: plain
 launches run in order, and a PDL launch overlaps the kernel before it only
 up to its ``griddepcontrol.wait``, which precedes every counter, partial
@@ -33,10 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from kvgen.runtime.env import triton_interpret
+from kvgen.runtime.split_counters import arrival_counters
 
 from . import fused, pdl
 from .kv_write import KVWrite
 
+COUNTER_OWNER = "small GEMM"
 ROW_BLOCKS = (16, 32, 64)
 """The kernel's BLOCK_M instances: a call of m rows runs the smallest that holds them."""
 MAX_ROWS = ROW_BLOCKS[-1]
@@ -203,34 +206,6 @@ def _kernel(interpret: bool):
     return small_gemm_kernel.small_gemm_kernel
 
 
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown buffers, kept: a captured CUDA graph may still point at one
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, at least ``n``, for launches on ``device``'s current stream.
-
-    One buffer per (device, stream): each launch leaves its counters zero, so they are reused without a
-    memset (the module docstring says which launches may share them). A buffer only grows; an outgrown one is
-    kept, never freed, since a graph captured with it still counts there. A CUDA graph keeps the buffer of the
-    stream it was captured on, wherever it replays. None is made during a capture (its zeroing would run only
-    when that graph replays): the decode graphs and the chooser's timer launch on the capture stream before
-    capturing, and a capture without that warm-up raises.
-    """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("kvgen's small GEMM needs its arrival counters before a CUDA graph capture: run "
-                               "the captured calls once on the capture stream first (a warm-up)")
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = torch.zeros(max(n, 2 * (0 if buf is None else buf.numel()), 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
-
-
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Config,
                gated: bool = False, rope: Rope | None = None, norm: Norm | None = None,
                residual: torch.Tensor | None = None):
@@ -249,7 +224,7 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     the result may differ from the norm kernel's by a rounding here and there.
 
     Runs on CUDA, or under the Triton interpreter on the CPU (tests). No host synchronization: CUDA graphs
-    capture it (after a warm-up on the capture stream: :func:`_arrival_counters`). Raises ValueError for
+    capture it (after a warm-up on the capture stream: :func:`kvgen.runtime.split_counters.arrival_counters`). Raises ValueError for
     tensors or a config it does not take (:func:`supports`), and Triton's OutOfResources at the first launch of
     a tile whose stages do not fit this GPU's shared memory.
     """
@@ -294,7 +269,7 @@ def launch_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     split = max(1, min(config.split_k, K // config.block_k))
     if split > 1:
         partials = torch.empty(split * n_blocks * bm * config.block_n, dtype=torch.float32, device=x.device)
-        counters = _arrival_counters(x.device, n_blocks)
+        counters = arrival_counters(x.device, n_blocks, owner=COUNTER_OWNER, minimum=1024)
     else:
         partials = counters = out  # unused without a split
     opts = {}

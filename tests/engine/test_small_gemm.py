@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kvgen.engine import gemv, pdl, small_gemm
+from kvgen.runtime import split_counters
 from tests.kernels.harness import require_cuda
 
 
@@ -123,7 +124,7 @@ def test_matches_float64_every_bucket_split_and_tail(interpret, dtype):
                 assert y.shape == (m, n) and y.dtype == dtype and torch.isfinite(y).all()
                 assert _rel_l2(y, _reference(x, w, bias)) < tol, (m, cfg, bias is None)
     # every split launch left its column blocks' counters zero for the next one
-    assert all(int(c.abs().sum()) == 0 for c in small_gemm._COUNTERS.values())
+    assert all(int(c.abs().sum()) == 0 for c in split_counters.buffers(small_gemm.COUNTER_OWNER))
 
 
 def _gated_reference(x, w, b, dtype):
@@ -154,7 +155,7 @@ def test_gated_matches_float64_every_bucket_split_and_tail(interpret, dtype):
                 assert _rel_l2(y, _gated_reference(x, w, bias, dtype)) < tol, (m, cfg, bias is None)
                 two_kernels = fused.silu_mul(small_gemm.small_gemm(x, w, bias, cfg))
                 assert torch.equal(y, two_kernels), (m, cfg, bias is None)  # the same roundings, bit for bit
-    assert all(int(c.abs().sum()) == 0 for c in small_gemm._COUNTERS.values())
+    assert all(int(c.abs().sum()) == 0 for c in split_counters.buffers(small_gemm.COUNTER_OWNER))
     with pytest.raises(ValueError, match="N even"):
         small_gemm.small_gemm(wide[:8, :k], w[:-1], None, small_gemm.Config(64, 128, 1), gated=True)
 
@@ -204,7 +205,7 @@ def test_rope_epilogue_equals_the_projection_then_qkv_rope(interpret, dtype):
                 assert torch.equal(v, plain[:, (hq + hkv) * d:].reshape(m, hkv, d))
     assert not small_gemm.supports(wide[:8, :k], w, None, small_gemm.Config(128, 64, 1),
                                    rope=small_gemm.Rope(hq, hkv, d, torch.zeros(8, dtype=torch.long), cos, sin))
-    assert all(int(c.abs().sum()) == 0 for c in small_gemm._COUNTERS.values())
+    assert all(int(c.abs().sum()) == 0 for c in split_counters.buffers(small_gemm.COUNTER_OWNER))
 
 
 def test_qkv_rope_linear_off_the_small_gemm_is_linear_then_qkv_rope():
@@ -337,7 +338,7 @@ def test_gpu_graph_replays_new_inputs(monkeypatch, pdl_switch):
             assert _rel_l2(out, ref) < 4e-3, (i, c)
     # a capture with no warm-up on its stream (no counters made yet) refuses rather than count into memory
     # that only the graph's replay would zero
-    monkeypatch.setattr(small_gemm, "_COUNTERS", {})
+    monkeypatch.setattr(split_counters, "_COUNTERS", {})
     with pytest.raises(RuntimeError, match="before a CUDA graph capture"):
         with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
             small_gemm.small_gemm(static, w, None, cfgs[1])

@@ -16,6 +16,8 @@ import math
 import pytest
 import torch
 
+from kvgen.runtime import split_counters
+
 from . import harness as hz
 from .reference import reference_attention
 
@@ -148,7 +150,7 @@ def test_decode_split_arrival_counters_are_left_zero_and_reused(scheme):
         hz.check(case, out, ref, f"launch {i}: {splits} splits over {lengths}")
         mod = hz.load_op("decode", case.scheme, case.head_dim, case.num_kv_heads, case.gqa, case.page_size,
                          case.dtype, dev=hz.device())
-        counters = [c for c in mod._COUNTERS.values() if c.device.type == out.device.type]
+        counters = [c for c in split_counters.buffers("decode") if c.device.type == out.device.type]
         assert counters and all(int(c.count_nonzero()) == 0 for c in counters)
         assert sum(c.numel() for c in counters) >= len(lengths) * case.num_kv_heads
     # counters owned by the caller (as a CUDA graph's are): used, left zero; too few is refused
