@@ -237,16 +237,22 @@ def runtime_choice(tuner, name, shapes, Hq, Hkv, D):
 def best_config(mod, run, batch, length, rank=None):
     """Time every tuning candidate; return (best ms, best config, per-candidate times). ``rank(cfg)``: ms to rank
     a candidate by; the best's own is returned, as the caller times the winner itself. Default: do_bench of
-    ``run(cfg)``, a short run for ranking and a longer one for the best."""
-    results = []
+    ``run(cfg)``, a short run for ranking and a longer one for the best. The front-runners are ranked again as the
+    runtime's autotuner confirms its own (``kvgen.runtime.autotune.confirm_front_runners``): one reading can fall
+    in a stretch the GPU runs slow."""
+    from kvgen.runtime.autotune import confirm_front_runners
+
+    readings = []  # [config, ms, config]: the "bench" the confirmation times again is the config itself
     for cfg in mod.candidates(batch, length):
         try:
-            results.append((rank(cfg) if rank else bench(lambda: run(cfg), rep_ms=60), cfg))
+            readings.append([cfg, rank(cfg) if rank else bench(lambda: run(cfg), rep_ms=60), cfg])
         except Exception as exc:  # a candidate that does not compile (registers, smem) is skipped
             print(f"    candidate {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
-    if not results:
+    if not readings:
         raise RuntimeError("no tuning candidate ran")
-    ms, cfg = min(results, key=lambda r: r[0])
+    confirm_front_runners(readings, lambda c: rank(c) if rank else bench(lambda: run(c), rep_ms=60))
+    cfg, ms, _ = min(readings, key=lambda r: r[1])
+    results = [(r[1], r[0]) for r in readings]
     return (ms if rank else bench(lambda: run(cfg))), cfg, results
 
 

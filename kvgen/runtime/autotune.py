@@ -58,6 +58,25 @@ once, the CUDA bf16 kernel lost the backend choice to a slower Triton one at 4 o
 Triton at 1.3x its time at D=64."""
 CONFIRM_MAX = 3
 
+def confirm_front_runners(readings: list, time_again: Callable[[Any], float],
+                          may_start: Callable[[], bool] = lambda: True) -> None:
+    """Times the front-runners of ``readings`` (``[config, ms, bench]`` lists, one reading each) again, in place:
+    those within ``CONFIRM_WITHIN`` of the fastest, at most ``CONFIRM_MAX``, the runners-up first (nearest first)
+    and the fastest last, while ``may_start()``; each keeps the faster of its two readings (the first where
+    ``time_again(bench)`` raises)."""
+    if not readings:
+        return
+    fastest = min(r[1] for r in readings)
+    front = sorted((r for r in readings if r[1] <= fastest * (1 + CONFIRM_WITHIN)), key=lambda r: r[1])
+    for r in front[1:CONFIRM_MAX] + front[:1]:
+        if not may_start():
+            break
+        try:
+            r[1] = min(r[1], time_again(r[2]))
+        except Exception:  # it ran once already; a second failure leaves its first reading
+            pass
+
+
 _module_hash = kernel_hash  # Autotuner.config has a parameter of that name
 
 
@@ -290,15 +309,9 @@ class Autotuner(AutotuneStore):
                 bar.step(ms)
         if not readings:
             return None
-        fastest = min(r[1] for r in readings)
-        front = sorted((r for r in readings if r[1] <= fastest * (1 + CONFIRM_WITHIN)), key=lambda r: r[1])
-        for r in front[1:CONFIRM_MAX] + front[:1]:
-            if self.clock() - start + timing > self.budget_s:  # as for candidates: none ends past the budget
-                break
-            try:
-                r[1] = min(r[1], float(self.timer(r[2])))
-            except Exception:  # it ran once already; a second failure leaves its first reading
-                pass
+        # as for candidates: no confirmation ends past the budget
+        confirm_front_runners(readings, lambda fn: float(self.timer(fn)),
+                              may_start=lambda: self.clock() - start + timing <= self.budget_s)
         best, best_ms, _ = min(readings, key=lambda r: r[1])
         self.tuned.append(key)
         entry = {"config": dict(best), "ms": best_ms, "candidates": timed,
