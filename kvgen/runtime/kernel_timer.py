@@ -25,16 +25,16 @@ cold L2 where Triton ran at 1.00-1.04x.
 
 A GPU that sat idle, or only ran short bursts between host work (a bench
 building its inputs, the tuner compiling its next candidate), starts slow:
-on an H100 (benchmarks/results/2026-12-05-nvidia-h100-4/4-first-replays)
-the first 6 replays of int8 decode at 1 x 131072 right after its inputs were
+on an H100 (benchmarks/results/2026-12-05-nvidia-h100-4/4-first-replays) the
+first 6 replays of int8 decode at 1 x 131072 right after its inputs were
 built took 118 us a call, every later one 102, a step, not a ramp. The timer
 therefore replays its graph untimed for ``WARM_MS`` first, unless it timed
 something less than ``WARM_GAP_S`` ago or one replay lasts that long
-(``warm_replays``); without that, a table's first
-timing after each case build and the tuner's first candidate read up to
-16% slow. The gap is a guess at what brings a slow start: after 3 s idle
-only one replay was slow, after a build six, and the timer sees only its
-own timings, not the GPU's other work.
+(``warm_replays``); without that, a table's first timing after each case
+build and the tuner's first candidate read up to 16% slow. The gap is a
+guess at what brings a slow start: after 3 s idle only one replay was slow,
+after a build six, and the timer sees only its own timings, not the GPU's
+other work.
 
 ``fn`` must be capturable (no host synchronization); where capture fails
 the timer falls back to do_bench (which flushes L2 itself). Off CUDA (the interpreter) it is do_bench too.
