@@ -207,12 +207,13 @@ def main(argv=None) -> int:
     p.add_argument("--trace", type=int, default=0, help="replays in a row after the first ones (0: none)")
     p.add_argument("--out")
     a = p.parse_args(argv)
+    import torch
+
     Hq, Hkv = (int(x) for x in a.heads.split(","))
     B, L = (int(x) for x in a.shape.split("x"))
     records = []
     for s in a.schemes.split(","):
         records.append(first_replays(s, B, L, Hq, Hkv, a.head_dim, _config(a.config), a.trace))
-        import torch
         torch.cuda.empty_cache()
         records.append(measure(s, B, L, Hq, Hkv, a.head_dim, _config(a.config), a.orders, a.places))
         if a.out:

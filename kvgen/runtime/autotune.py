@@ -52,10 +52,10 @@ predicting 1x, prefill buckets ran to 5.7-7.0 s; 1.5x still let one run to 6.2 s
 CONFIRM_WITHIN = 0.20
 """After each candidate was timed once, those within this fraction of the fastest are timed again (at most
 ``CONFIRM_MAX``: the runners-up first, nearest first, as only they can take the lead, then the fastest, whose own
-reading is what the backend choice compares) and keep the faster of their two readings. One reading can fall in a stretch the
-GPU runs about 15% slow at unchanged clocks (H100, 2026-12-05, benchmarks/results/2026-12-05-nvidia-h100-4): read
-once, the CUDA bf16 kernel lost the backend choice to a slower Triton one at 4 of 6 anchors, and CUDA int8 to
-Triton at 1.3x its time at D=64."""
+reading is what the backend choice compares) and keep the faster of their two readings. One reading can fall in a
+stretch the GPU runs about 15% slow at unchanged clocks (H100, 2026-12-05,
+benchmarks/results/2026-12-05-nvidia-h100-4): read once, the CUDA bf16 kernel lost the backend choice to a slower
+Triton one at 4 of 6 anchors, and CUDA int8 to Triton at 1.3x its time at D=64."""
 CONFIRM_MAX = 3
 
 def confirm_front_runners(readings: list, time_again: Callable[[Any], float],

@@ -1,13 +1,11 @@
-"""Arrival counters of split decode launches: the last split of a (sequence, KV head) to arrive combines them.
+"""Arrival counters of split launches: the last block of a group to arrive combines the group's partial results.
 
-A split decode (Triton's, and CUDA's inline combine) counts each of a
-sequence's splits in on one int32 per (sequence, KV head), and the split
-that arrives last combines the partial outputs and zeroes the counter for
-the next launch. Launches on one stream run in order, so one buffer per
-(device, stream) serves them all without a memset (:func:`arrival_counters`);
-launches on two streams at once get separate buffers. A CUDA graph keeps
-the address it was captured with, so a graph's owner passes counters of its
-own instead (:func:`owned_counters`, e.g. the engine's decode graphs).
+Owners keep apart (``owner``): the decode kernels and the engine's small GEMM. A split decode counts each of a
+sequence's splits in on one int32 per (sequence, KV head), and the split that arrives last combines the partial
+outputs and zeroes the counter for the next launch. Launches on one stream run in order, so one buffer per (device,
+stream) serves them all without a memset (:func:`arrival_counters`); launches on two streams at once get separate
+buffers. A CUDA graph keeps the address it was captured with, so a graph's owner passes counters of its own instead
+(:func:`owned_counters`, e.g. the engine's decode graphs).
 """
 
 from __future__ import annotations
