@@ -50,6 +50,16 @@ def _compile(scheme, backend, B, L, Hq, Hkv, D, out_dir):
     return import_package(res.out_dir), time.perf_counter() - t0, res
 
 
+def cache_tokens(B: int, L: int) -> int:
+    """The ``max_tokens`` a harness cache of B sequences of L tokens loads with: their pages, room for a few more
+    tokens each, and a residual scheme's append slack. ``pool_sizes`` takes the residual pool (tails plus
+    APPEND_SLACK_PAGES) out of the same budget, so without the slack int2 ran out of compressed pages below about
+    22 sequences (8 x 32768: 53 pages short)."""
+    from kvgen.runtime.page_pool import APPEND_SLACK_PAGES
+
+    return B * L + 4 * PAGE * B + APPEND_SLACK_PAGES * PAGE
+
+
 def filled_cache(pkg, shape, seed, tune_dir):
     """A one-layer cache of ``pkg`` on the GPU holding B sequences of L tokens of random K/V (one seed), a
     decode step planned; returns ``(cache, q, autotune module)``. Its autotuner is in ``cached`` mode with
@@ -59,7 +69,7 @@ def filled_cache(pkg, shape, seed, tune_dir):
     B, L, Hq, Hkv, D = shape
     rt = importlib.import_module(pkg.__name__ + ".runtime.autotune")
     tuner = rt.Autotuner(torch.device("cuda"), mode="cached", directory=tune_dir, progress=False)
-    cache = pkg.load(device="cuda", max_tokens=B * L + 4 * PAGE * B, num_layers=1, max_seqs=B, autotuner=tuner)
+    cache = pkg.load(device="cuda", max_tokens=cache_tokens(B, L), num_layers=1, max_seqs=B, autotuner=tuner)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     ids = list(range(B))
     for i in ids:

@@ -82,8 +82,10 @@ def case(scheme, shape, args, device, dtype_name, tmp):
     timer = None if not args.smoke else (lambda fn: _wall_ms(fn, device))
     tuner = rt.Autotuner(device, mode="cached", directory=os.path.join(tmp, f"tune-{scheme}-{B}x{L}"),
                          timer=timer, progress=False)
+    from benchmarks.cuda_decode import cache_tokens  # imports torch: only where a cache is loaded
+
     t0 = time.perf_counter()
-    cache = pkg.load(device=device, max_tokens=B * L + 4 * PAGE * B, num_layers=1, max_seqs=B, autotuner=tuner,
+    cache = pkg.load(device=device, max_tokens=cache_tokens(B, L), num_layers=1, max_seqs=B, autotuner=tuner,
                      warmup=False)
     rec["load_s"] = time.perf_counter() - t0
     if not args.no_warmup:  # what load() does by default, timed on its own

@@ -18,3 +18,30 @@ def test_anchor_shapes_keep_the_order_named():
 def test_unknown_shapes_are_refused_with_the_choices(text):
     with pytest.raises(SystemExit, match="1x131072"):
         anchor_shapes(text)
+
+
+@pytest.mark.parametrize("scheme", ["int2", "int4", "int8"])
+@pytest.mark.parametrize("B,L", [(1, 131072), (8, 32768), (16, 8192), (32, 4096)])
+def test_harness_caches_hold_every_sequence(scheme, B, L):
+    """The harness caches (benchmarks.cuda_decode.cache_tokens) leave room for B sequences of L tokens in both
+    pools: a residual scheme's residual pool (tails and append slack) comes out of the same budget, and int2 at 8 x
+    32768 ran out of compressed pages (53 short) before the slack was added."""
+    import dataclasses
+
+    from benchmarks.cuda_decode import cache_tokens
+    from benchmarks.run import PAGE
+    from kvgen.models import resolve_model
+    from kvgen.planner.planner import make_plan
+    from kvgen.planner.workload import Workload
+    from kvgen.registry import default_registry
+    from kvgen.runtime.page_pool import pool_sizes
+    from kvgen.targets import resolve_target
+
+    schemes = default_registry().schemes
+    model = dataclasses.replace(resolve_model("llama-3-8b"), num_layers=1, max_positions=max(L, 8192))
+    plan = make_plan(model, resolve_target("h200"), Workload(context=L, concurrency=B, page_size=PAGE), schemes,
+                     kv=scheme)
+    compressed, residual = pool_sizes(plan.to_json(), cache_tokens(B, L), B)
+    assert compressed >= B * schemes[scheme].compressed_pages(L, PAGE)
+    tail = -(-L // PAGE) - schemes[scheme].compressed_pages(L, PAGE)
+    assert residual >= B * tail

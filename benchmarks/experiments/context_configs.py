@@ -19,8 +19,7 @@ import tempfile
 
 import torch
 
-from benchmarks.cuda_decode import _compile
-from benchmarks.run import PAGE
+from benchmarks.cuda_decode import _compile, cache_tokens
 
 
 def main(argv=None) -> int:
@@ -41,7 +40,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for scheme in args.schemes.split(","):
             pkg, _, _ = _compile(scheme, "auto", B, lengths[-1], Hq, Hkv, 128, tmp)
-            cache = pkg.load(device="cuda", max_tokens=B * lengths[-1] + 4 * PAGE * B, num_layers=1, max_seqs=B)
+            cache = pkg.load(device="cuda", max_tokens=cache_tokens(B, lengths[-1]), num_layers=1, max_seqs=B)
             for backend, mod in pkg.KERNEL_VARIANTS["decode"].items():
                 if backend not in args.backends.split(","):
                     continue
