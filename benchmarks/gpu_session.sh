@@ -39,8 +39,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
   || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
 [ -d plugins/kvgen-nuq ] && python3 -m pip install -q --no-deps --no-build-isolation -e plugins/kvgen-nuq >>"$OUT/install.log" 2>&1
 python3 -m kvgen.cli schemes
-# Nsight Compute on one tuned decode launch per "scheme[:backend][:B,L,Hq,Hkv,D]" argument (backend cuda or triton,
-# default cuda; shape default ncu_decode's, 32 x 4096, 64/8, D=128), summarized into $OUT/ncu-summary.txt, the raw
+# Nsight Compute on one tuned decode launch per "scheme[:backend][:B,L,Hq,Hkv,D][:cfg=SPLITS/WARPS/DEPTH]" argument
+# (backend cuda or triton, default cuda; shape default ncu_decode's, 32 x 4096, 64/8, D=128; cfg: that config instead
+# of the tuned one), summarized into $OUT/ncu-summary.txt, the raw
 # CSVs archived as $OUT/ncu.tgz (the device tool brings back only a few files)
 ncu_shapes() {
   command -v ncu >/dev/null || { echo "no ncu on this machine"; return 0; }
@@ -49,13 +50,16 @@ ncu_shapes() {
     MemoryWorkloadAnalysis InstructionStats; do sections="$sections --section $s"; done
   mkdir -p "$OUT/ncu"
   for case in "$@"; do
-    s=${case%%:*}; backend=cuda; shape=""
+    s=${case%%:*}; backend=cuda; shape=""; cfg=""
     for f in $(echo "${case#"$s"}" | tr ':' ' '); do
-      case $f in *,*) shape=$f ;; *) backend=$f ;; esac
+      case $f in cfg=*) cfg=${f#cfg=} ;; *,*) shape=$f ;; *) backend=$f ;; esac
     done
-    tag=$s-$backend${shape:+-${shape//,/-}}
+    tag=$s-$backend${shape:+-${shape//,/-}}${cfg:+-${cfg//\//-}}
     args=(--scheme "$s" --backend "$backend" ${shape:+--shape "$shape"} --work "/tmp/kvgen-ncu-$tag")
     timeout 90 python3 -m benchmarks.experiments.ncu_decode run "${args[@]}" --tune 2>&1 | tail -1
+    # cfg=SPLITS/WARPS/DEPTH: that config instead of the tuned one
+    [ -n "$cfg" ] && IFS=/ read -r c_s c_w c_d <<<"$cfg" \
+      && args+=(--config "{\"num_splits\": $c_s, \"num_warps\": $c_w, \"depth\": $c_d}")
     timeout 120 ncu --clock-control none --target-processes all -k 'regex:^_?decode_kernel' --launch-skip 2 \
       --launch-count 1 $sections --csv --page raw python3 -m benchmarks.experiments.ncu_decode run "${args[@]}" \
       >"$OUT/ncu/ncu-$tag.csv" 2>"$OUT/ncu/ncu-$tag.err"

@@ -47,3 +47,16 @@ def test_a_run_that_profiled_nothing_says_so(tmp_path):
     path = tmp_path / "empty.csv"
     path.write_text("==PROF== No kernels were profiled.\n")
     assert read_raw(str(path)) == [] and "no kernel rows" in summarize(str(path))
+
+
+def test_h100_names_and_the_derived_columns(tmp_path):
+    """The H100's ncu names DRAM throughput gpu__dram_throughput; DRAM bytes a second read as TB/s, and the
+    busiest SM's empty share of the elapsed cycles is 1 - its active cycles / the elapsed ones."""
+    header = HEADER[:5] + ["gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes.sum.per_second",
+                           "gpc__cycles_elapsed.max", "sm__cycles_active.max"]
+    units = UNITS[:5] + ["%", "byte/s", "cycle", "cycle"]
+    row = ROW[:5] + ["73.19", "2,453,133,528,673.08", "137,565", "127,930"]
+    path = tmp_path / "int4-cuda.csv"
+    path.write_text(_csv([header, units, row]))
+    text = summarize(str(path))
+    assert "dram_%=73.19" in text and "dram_TBps=2.45" in text and "busiest_sm_idle_%=7.0" in text

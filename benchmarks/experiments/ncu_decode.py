@@ -13,15 +13,17 @@ run a few decode steps under ``ncu``, which profiles one launch of the attention
 first ANCHORS shape: B=32, L=4096, 64/8 heads, D=128) under ``--work`` (the same folder every time, so a
 second process finds the package and the tuned winner), fills it with random K/V and launches
 ``cache.decode`` ``--launches`` times at the runtime's config for the bucket: the tuned winner after a
-``--tune`` run, else the autotuner's model. It prints nothing on stdout (ncu's CSV goes there); the
+``--tune`` run, else the autotuner's model (``--config`` names one instead). It prints nothing on stdout (ncu's CSV goes there); the
 config goes to stderr. ``summary`` reads ncu's raw CSV pages and prints, per file, the kernel's time,
-registers, occupancy, DRAM and issue utilization, the busiest pipes and the main warp stall reasons.
+registers, occupancy, DRAM and issue utilization, DRAM bytes a second, how long the busiest SM sat empty, the
+busiest pipes and the main warp stall reasons.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import re
 import sys
@@ -40,7 +42,8 @@ FIELDS = (
     ("block", r"^launch__block_size$"),
     ("occ_theory_%", r"^sm__maximum_warps_per_active_cycle_pct$"),
     ("occ_achieved_%", r"^sm__warps_active\.avg\.pct_of_peak_sustained_active$"),
-    ("dram_%", r"^dram__throughput\.avg\.pct_of_peak_sustained_elapsed$"),
+    # ncu names it dram__throughput on the H200 and gpu__dram_throughput on the H100
+    ("dram_%", r"^(gpu__)?dram_?_throughput\.avg\.pct_of_peak_sustained_elapsed$"),
     ("sm_%", r"^sm__throughput\.avg\.pct_of_peak_sustained_elapsed$"),
     ("issue_active_%", r"^smsp__issue_active\.avg\.pct_of_peak_sustained_active$"),
     ("cycles_per_issue", r"^smsp__average_warp_latency_per_inst_issued\.ratio$"),
@@ -78,6 +81,20 @@ TIME_UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3,
 """ncu's duration units in µs (its raw page reports kernel times in whichever it picks: "ns" on the H200)."""
 
 
+def _derived(row: dict[str, str]) -> list[str]:
+    """DRAM bytes a second (TB/s) and the share of the launch's elapsed cycles the busiest SM held no warp
+    (launch, first blocks' start, last blocks' end: what no tile loop can shorten), where ncu reported them."""
+    out = []
+    tbps = _number(row.get("dram__bytes.sum.per_second", ""))
+    if tbps is not None:
+        out.append(f"dram_TBps={tbps / 1e12:.2f}")
+    elapsed = _number(row.get("gpc__cycles_elapsed.max", ""))
+    active = _number(row.get("sm__cycles_active.max", ""))
+    if elapsed and active is not None:
+        out.append(f"busiest_sm_idle_%={100 * (1 - active / elapsed):.1f}")
+    return out
+
+
 def summarize(path: str) -> str:
     """One block of text per profiled kernel of ``path``."""
     out = []
@@ -97,6 +114,7 @@ def summarize(path: str) -> str:
                         and _number(v) is not None), key=lambda kv: -kv[1])
         stalls = sorted(((m.group("reason"), _number(v)) for k, v in row.items() if (m := STALLS.match(k))
                          and _number(v) is not None), key=lambda kv: -kv[1])
+        parts += _derived(row)
         out.append("  ".join(parts))
         out.append("  pipes (% of peak, active cycles): " + ", ".join(f"{p} {v:.1f}" for p, v in pipes[:6]))
         total = sum(v for _, v in stalls) or 1.0
@@ -128,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         rec = rt.tune(cache, [(B, L)], ops=("decode",))[0]
         print(f"{args.scheme} {args.backend}: tuned {rec['key']} -> {rec['config']} ({rec['ms']} ms)", file=sys.stderr)
         return 0
+    if args.config:  # a config of the caller's instead of the runtime's (the tuned winner or the model's)
+        cache.step.configs["decode"] = json.loads(args.config)
     print(f"{args.scheme} {args.backend}: config {cache.step.configs.get('decode')}", file=sys.stderr)
     out = torch.empty_like(q)
     for _ in range(args.launches):
@@ -145,6 +165,7 @@ def main(argv=None) -> int:
     r.add_argument("--shape", default="32,4096,64,8,128", help="B,L,Hq,Hkv,D")
     r.add_argument("--work", default="/tmp/kvgen-ncu", help="packages, build cache and tuned winners")
     r.add_argument("--launches", type=int, default=4)
+    r.add_argument("--config", help='profile this config, e.g. \'{"num_splits": 1, "num_warps": 8, "depth": 2}\'')
     r.add_argument("--tune", action="store_true", help="tune the bucket (kvgen tune's path) and stop")
     s = sub.add_parser("summary", help="summarize ncu --csv --page raw outputs")
     s.add_argument("files", nargs="+")
