@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: install kvgen (no network there: --no-deps, no build
 # isolation), run the GPU tests, then the benchmark. Everything it prints and
-# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|gemv|prefill|confirm|d64|decode-candidates|b1-split|timing-context|page-order|prerender] [bench args...]
+# writes lands under $OUT. Usage: bash benchmarks/gpu_session.sh [tests|bench|all|tp|setup|open-checks|decode-combine|write|sweeps|measure|final|timer|cuda-engine|recheck|ncu|engine-tuned|staging|auto-default|readers|mends7|gemv|prefill|confirm|d64|decode-candidates|b1-split|timing-context|page-order|split-combine|fixed-cost|prerender] [bench args...]
 # (open-checks: the open issues' device checks not yet run, ~9 minutes; see the block below)
 # (setup: install only, for a command that runs experiments after it)
 # (prerender: on the CPU machine, before the device call -- see its block)
@@ -25,7 +25,10 @@ if [ "$what" = prerender ]; then
   $py -m benchmarks.experiments.decode_variants render .gpu/d128 --schemes bf16,fp8,int8,int4,int2 --base "$base"
   $py -m benchmarks.experiments.decode_variants render .gpu/d64 --schemes bf16,int8,int4 --base "$base" \
     --heads 32,4 --head-dim 64
-  ls .gpu/d128 .gpu/d64
+  # fixed-cost: the tree's kernels alone, int4's also without its residual pass
+  rm -rf .gpu/fixed && $py -m benchmarks.experiments.decode_variants render .gpu/fixed --schemes bf16,int8,int4 \
+    --base tree --no-residual-pass
+  ls .gpu/d128 .gpu/d64 .gpu/fixed
   exit 0
 fi
 OUT="${OUT:-/tmp/kvgen-out}"; mkdir -p "$OUT"
@@ -369,6 +372,19 @@ if [ "$what" = decode-candidates ]; then
     echo "D=64 candidates: exit $?"; grep -v "^built" "$OUT/candidates-d64.log" | tail -8 | cut -c1-160
   fi
   [ "${KVGEN_NCU_CASES:-}" = none ] || ncu_shapes ${KVGEN_NCU_CASES:-int4:32,4096,64,8,128 int8:1,131072,64,8,128}
+fi
+if [ "$what" = fixed-cost ]; then
+  # About 4 minutes: where int4's larger fixed cost a launch comes from (2026-12-05-nvidia-h100-5: 11.1 us against
+  # bf16's 7.6 and int8's 8.6 in a line through L = 1024-8192 at B = 32). The tree's bf16, int8 and int4 kernels and
+  # int4's without its residual pass (a smaller kernel; decode_variants.without_residual_pass says what else moves)
+  # timed at B = 32, L = 1024, 4096, 8192 in one process (prerender writes .gpu/fixed); then Nsight Compute at 32 x
+  # 1024, where the fixed cost is about 40% of int4's launch: how long the busiest SM sits empty, the spread of the
+  # SMs' active cycles (the CSVs), the stalls.
+  [ -d .gpu/fixed ] || { echo "no .gpu/fixed: run 'bash benchmarks/gpu_session.sh prerender' first, carry .gpu"; exit 1; }
+  timeout 200 python3 -m benchmarks.experiments.decode_variants time .gpu/fixed --shapes 32x1024,32x4096,32x8192 \
+    --out "$OUT/fixed-cost.json" >"$OUT/fixed-cost.log" 2>&1
+  echo "fixed cost: exit $?"; grep -v "^built" "$OUT/fixed-cost.log" | tail -12 | cut -c1-160
+  ncu_shapes int4:cuda:32,1024,64,8,128 int8:cuda:32,1024,64,8,128 bf16:cuda:32,1024,64,8,128
 fi
 if [ "$what" = timing-context ]; then
   # About 5 minutes: why benchmarks.run's table reads int8 at 1 x 131072 at 118 us on an H100 when decode_variants

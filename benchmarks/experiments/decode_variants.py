@@ -3,6 +3,7 @@
     # offline (no GPU): render the variants' .cu sources into DIR
     python -m benchmarks.experiments.decode_variants render DIR [--schemes int4,int8] [--base REV|tree] [--heads 64,8]
                                                       [--head-dim 128] [--reg-caps 20,24] [--split-major]
+                                                      [--no-residual-pass]
     # on the GPU: build every source in DIR, check it and time it at each shape
     python -m benchmarks.experiments.decode_variants time DIR [--shapes 32x4096,1x16384] [--out FILE] [--heads 64,8]
                                                     [--head-dim 128]
@@ -14,7 +15,9 @@ dim the revision cannot render). ``--reg-caps W,...`` also writes ``<scheme>--re
 register cap at W warps an SM instead of 16 (``cuda_sass.with_reg_cap``); ``--split-major`` writes
 ``<scheme>--splitmajor.cu``: the tree's kernel on the grid (splits, KV heads, batch) instead of (batch, KV heads,
 splits), so the programs the hardware schedules next to each other are one head's splits, not one split's heads
-(:func:`with_split_major`). Other variants can be added by hand as
+(:func:`with_split_major`); ``--no-residual-pass`` writes ``<scheme>--noresidual.cu``: a residual scheme's kernel
+without its residual pool's tile loop (:func:`without_residual_pass`; the same output only where no sequence has a
+residual tile, e.g. int4 at whole pages). Other variants can be added by hand as
 ``<scheme>--<name>.cu`` (e.g. the tree rendered with an edited template). ``time`` loads the scheme's generated CUDA
 decode module once and points it at each source in turn (``SOURCE``: the runtime's CUDA loader builds and caches
 each), runs it once on a NaN-poisoned output against the float32 reference and against the base variant's output; a
@@ -69,8 +72,24 @@ def with_split_major(source: str) -> str:
             .replace(GRID_LAUNCH, "dim3(a.num_splits, H, batch)"))
 
 
+RESIDUAL_PASS = "  run_tiles(Tag<ResidualReader>(), a.rpools, max(t_begin, comp_end), t_end);\n"
+
+
+def without_residual_pass(source: str) -> str:
+    """``source`` without the residual pool's tile loop: the kernel's code less the ResidualReader instance of the
+    loop, its shared memory unchanged. It asks whether int4's larger fixed cost a launch (2026-12-05-nvidia-h100-5)
+    comes with its code's size. Not that alone: offline (sm_90a, int4 <4,2>) the kernel drops from 1976 to 1368
+    instructions, but ptxas then gives the compressed loop 114 registers instead of 128, no spill, and 504
+    instructions instead of 466. Its output is the kernel's only where no sequence reaches a residual tile.
+    SystemExit where the template no longer calls that loop as :data:`RESIDUAL_PASS` once."""
+    if source.count(RESIDUAL_PASS) != 1:
+        raise SystemExit("the decode kernel no longer calls its residual pass as this variant expects (or the "
+                         "scheme keeps no residual)")
+    return source.replace(RESIDUAL_PASS, "")
+
+
 def render(out_dir: Path, schemes: list[str], base: str, hq: int = HQ, hkv: int = HKV, d: int = D,
-           reg_caps: tuple[int, ...] = (), split_major: bool = False) -> None:
+           reg_caps: tuple[int, ...] = (), split_major: bool = False, no_residual_pass: bool = False) -> None:
     from benchmarks.experiments.cuda_sass import with_reg_cap
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -85,6 +104,8 @@ def render(out_dir: Path, schemes: list[str], base: str, hq: int = HQ, hkv: int 
             sources.update({f"regs{w}": with_reg_cap(tree, w) for w in reg_caps})
             if split_major:
                 sources["splitmajor"] = with_split_major(tree)
+            if no_residual_pass and RESIDUAL_PASS in tree:  # schemes without a residual have no such variant
+                sources["noresidual"] = without_residual_pass(tree)
             for name, text in sources.items():
                 (out_dir / f"{s}--{name}.cu").write_text(text)
             print(f"{s}: {', '.join(sources)}", file=sys.stderr)
@@ -173,6 +194,8 @@ def main(argv=None) -> int:
     r.add_argument("--head-dim", type=int, default=D)
     r.add_argument("--reg-caps", default="", help="also the tree's kernel at these register caps (warps an SM)")
     r.add_argument("--split-major", action="store_true", help="also the tree's kernel on a (splits, heads, batch) grid")
+    r.add_argument("--no-residual-pass", action="store_true",
+                   help="also a residual scheme's kernel without its residual tile loop")
     t = sub.add_parser("time")
     t.add_argument("dir", type=Path)
     t.add_argument("--shapes", default="32x4096,1x16384")
@@ -184,7 +207,7 @@ def main(argv=None) -> int:
     hq, hkv = (int(x) for x in a.heads.split(","))
     if a.cmd == "render":
         render(a.dir, a.schemes.split(","), a.base, hq, hkv, a.head_dim,
-               tuple(int(w) for w in a.reg_caps.split(",") if w), a.split_major)
+               tuple(int(w) for w in a.reg_caps.split(",") if w), a.split_major, a.no_residual_pass)
     else:
         shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
         time_variants(a.dir, shapes, a.out, a.max_vs_base, hq, hkv, a.head_dim)

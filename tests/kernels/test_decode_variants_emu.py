@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from benchmarks.experiments.decode_variants import GRID_INDEX, GRID_LAUNCH, with_split_major
+from benchmarks.experiments.decode_variants import (GRID_INDEX, GRID_LAUNCH, RESIDUAL_PASS, with_split_major,
+                                                    without_residual_pass)
 from kvgen.codegen.spec import KernelSpec
 from kvgen.registry import default_registry
 
@@ -60,3 +61,42 @@ def test_split_major_refuses_a_template_it_does_not_recognise():
         with_split_major("__global__ void decode_kernel() {}")
     changed = with_split_major(f"{GRID_INDEX}\n{GRID_LAUNCH}\n")
     assert "split = blockIdx.x" in changed and "b = blockIdx.z" in changed and "dim3(a.num_splits, H, batch)" in changed
+
+
+def test_no_residual_pass_matches_where_no_sequence_has_a_residual_tile(monkeypatch):
+    """int4 without its residual tile loop: at whole pages (no residual tile) its output is the kernel's, bit for
+    bit; with a partly filled tail page it leaves that page's tokens out, and the output moves."""
+    if emulate.toolchain() is None:
+        pytest.skip("the CUDA emulation needs g++ and the CUDA headers")
+    reg = default_registry()
+    spec = KernelSpec(op="decode", scheme="int4", head_dim=64, num_kv_heads=2, gqa_group=8, page_size=16,
+                      compute_dtype="float16", arch="sm_90a", backend="cuda")
+    config = {"num_warps": 4, "depth": 2, "num_splits": 3}
+    plain = emulate.load(spec, reg.schemes["int4"], EMU_BUILD_DIR, config=config)
+    rendered = emulate.render
+
+    def no_residual(*args, **kwargs):
+        sources = dict(rendered(*args, **kwargs))
+        sources[".cu"] = without_residual_pass(sources[".cu"])
+        return sources
+
+    monkeypatch.setattr(emulate, "render", no_residual)
+    variant = emulate.load(spec, reg.schemes["int4"], EMU_BUILD_DIR, config=config)
+    sm_scale = 1 / math.sqrt(64)
+    for lengths, same in (([512, 16, 96], True), ([512, 23, 96], False)):
+        cache = hz.make_cache("int4", 64, 2, 16, lengths, "float16", device="cpu", seed=5)
+        q = hz.random_q(len(lengths), 16, 64, torch.float32, "cpu", seed=6).to(torch.float16)
+        outs = []
+        for mod in (plain, variant):
+            out = hz.poisoned_like(q)
+            mod.launch(q, out, cache.pools, cache.block_tables, cache.seq_lens, cache.num_compressed, sm_scale,
+                       config=config)
+            assert torch.isfinite(out).all()
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]) == same, lengths
+
+
+def test_no_residual_pass_refuses_a_kernel_without_one():
+    with pytest.raises(SystemExit, match="no longer"):
+        without_residual_pass("__global__ void decode_kernel() {}")
+    assert without_residual_pass(f"a\n{RESIDUAL_PASS}b\n") == "a\nb\n"
