@@ -20,6 +20,21 @@ from .reference import reference_attention
 from .test_cuda_decode import EMU_BUILD_DIR
 
 
+def _plain_and_variant(monkeypatch, spec, config, transform):
+    """The emulated kernel of ``spec`` as rendered, and with ``transform`` applied to its CUDA source."""
+    scheme = default_registry().schemes[spec.scheme]
+    plain = emulate.load(spec, scheme, EMU_BUILD_DIR, config=config)
+    rendered = emulate.render
+
+    def transformed(*args, **kwargs):
+        sources = dict(rendered(*args, **kwargs))
+        sources[".cu"] = transform(sources[".cu"])
+        return sources
+
+    monkeypatch.setattr(emulate, "render", transformed)
+    return plain, emulate.load(spec, scheme, EMU_BUILD_DIR, config=config)
+
+
 def test_split_major_grid_computes_the_same_attention(monkeypatch):
     """int8 at a group of 8 over ragged lengths (an empty sequence, page and split boundaries), 1, 3 and 7 splits:
     the (splits, heads, batch) grid's output against the float64 reference, and equal to the rendered grid's."""
@@ -29,16 +44,7 @@ def test_split_major_grid_computes_the_same_attention(monkeypatch):
     spec = KernelSpec(op="decode", scheme="int8", head_dim=64, num_kv_heads=2, gqa_group=8, page_size=16,
                       compute_dtype="float16", arch="sm_90a", backend="cuda")
     config = {"num_warps": 4, "depth": 2}
-    plain = emulate.load(spec, reg.schemes["int8"], EMU_BUILD_DIR, config=config)
-    rendered = emulate.render
-
-    def split_major(*args, **kwargs):
-        sources = dict(rendered(*args, **kwargs))
-        sources[".cu"] = with_split_major(sources[".cu"])
-        return sources
-
-    monkeypatch.setattr(emulate, "render", split_major)
-    variant = emulate.load(spec, reg.schemes["int8"], EMU_BUILD_DIR, config=config)
+    plain, variant = _plain_and_variant(monkeypatch, spec, config, with_split_major)
     lengths = [517, 1, 0, 48, 33]
     cache = hz.make_cache("int8", 64, 2, 16, lengths, "float16", device="cpu", seed=11)
     q = hz.random_q(len(lengths), 16, 64, torch.float32, "cpu", seed=12).to(torch.float16)
@@ -68,20 +74,10 @@ def test_no_residual_pass_matches_where_no_sequence_has_a_residual_tile(monkeypa
     bit; with a partly filled tail page it leaves that page's tokens out, and the output moves."""
     if emulate.toolchain() is None:
         pytest.skip("the CUDA emulation needs g++ and the CUDA headers")
-    reg = default_registry()
     spec = KernelSpec(op="decode", scheme="int4", head_dim=64, num_kv_heads=2, gqa_group=8, page_size=16,
                       compute_dtype="float16", arch="sm_90a", backend="cuda")
     config = {"num_warps": 4, "depth": 2, "num_splits": 3}
-    plain = emulate.load(spec, reg.schemes["int4"], EMU_BUILD_DIR, config=config)
-    rendered = emulate.render
-
-    def no_residual(*args, **kwargs):
-        sources = dict(rendered(*args, **kwargs))
-        sources[".cu"] = without_residual_pass(sources[".cu"])
-        return sources
-
-    monkeypatch.setattr(emulate, "render", no_residual)
-    variant = emulate.load(spec, reg.schemes["int4"], EMU_BUILD_DIR, config=config)
+    plain, variant = _plain_and_variant(monkeypatch, spec, config, without_residual_pass)
     sm_scale = 1 / math.sqrt(64)
     for lengths, same in (([512, 16, 96], True), ([512, 23, 96], False)):
         cache = hz.make_cache("int4", 64, 2, 16, lengths, "float16", device="cpu", seed=5)
