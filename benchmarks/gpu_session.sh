@@ -25,9 +25,9 @@ if [ "$what" = prerender ]; then
   $py -m benchmarks.experiments.decode_variants render .gpu/d128 --schemes bf16,fp8,int8,int4,int2 --base "$base"
   $py -m benchmarks.experiments.decode_variants render .gpu/d64 --schemes bf16,int8,int4 --base "$base" \
     --heads 32,4 --head-dim 64
-  # fixed-cost: the tree's kernels alone, int4's also without its residual pass
+  # fixed-cost: the tree's kernels alone, int4's also without its residual pass, each also over page records
   rm -rf .gpu/fixed && $py -m benchmarks.experiments.decode_variants render .gpu/fixed --schemes bf16,int8,int4 \
-    --base tree --no-residual-pass
+    --base tree --no-residual-pass --page-record
   ls .gpu/d128 .gpu/d64 .gpu/fixed
   exit 0
 fi
@@ -374,16 +374,17 @@ if [ "$what" = decode-candidates ]; then
   [ "${KVGEN_NCU_CASES:-}" = none ] || ncu_shapes ${KVGEN_NCU_CASES:-int4:32,4096,64,8,128 int8:1,131072,64,8,128}
 fi
 if [ "$what" = fixed-cost ]; then
-  # About 4 minutes: where int4's larger fixed cost a launch comes from (2026-12-05-nvidia-h100-5: 11.1 us against
-  # bf16's 7.6 and int8's 8.6 in a line through L = 1024-8192 at B = 32). The tree's bf16, int8 and int4 kernels and
-  # int4's without its residual pass (a smaller kernel; decode_variants.without_residual_pass says what else moves)
-  # timed at B = 32, L = 1024, 4096, 8192 in one process (prerender writes .gpu/fixed); then Nsight Compute at 32 x
-  # 1024, where the fixed cost is about 40% of int4's launch: how long the busiest SM sits empty, the spread of the
-  # SMs' active cycles (the CSVs), the stalls.
+  # About 5 minutes: where int4's larger fixed cost a launch comes from (2026-12-05-nvidia-h100-5: 11.1 us against
+  # bf16's 7.6 and int8's 8.6 in a line through L = 1024-8192 at B = 32), and whether a page's tensors in one
+  # record instead of one pool each read faster. The tree's bf16, int8 and int4 kernels, int4's without its
+  # residual pass (a smaller kernel; decode_variants.without_residual_pass says what else moves) and each over page
+  # records (the same instructions, other addresses) timed at B = 32, L = 1024, 4096, 8192 in one process (prerender
+  # writes .gpu/fixed); then Nsight Compute at 32 x 1024, where the fixed cost is about 40% of int4's launch: how
+  # long the busiest SM sits empty, the spread of the SMs' active cycles (the CSVs), the stalls.
   [ -d .gpu/fixed ] || { echo "no .gpu/fixed: run 'bash benchmarks/gpu_session.sh prerender' first, carry .gpu"; exit 1; }
-  timeout 200 python3 -m benchmarks.experiments.decode_variants time .gpu/fixed --shapes 32x1024,32x4096,32x8192 \
+  timeout 240 python3 -m benchmarks.experiments.decode_variants time .gpu/fixed --shapes 32x1024,32x4096,32x8192 \
     --out "$OUT/fixed-cost.json" >"$OUT/fixed-cost.log" 2>&1
-  echo "fixed cost: exit $?"; grep -v "^built" "$OUT/fixed-cost.log" | tail -12 | cut -c1-160
+  echo "fixed cost: exit $?"; grep -v "^built" "$OUT/fixed-cost.log" | tail -21 | cut -c1-160
   ncu_shapes int4:cuda:32,1024,64,8,128 int8:cuda:32,1024,64,8,128 bf16:cuda:32,1024,64,8,128
 fi
 if [ "$what" = timing-context ]; then

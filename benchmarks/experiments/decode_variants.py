@@ -3,7 +3,7 @@
     # offline (no GPU): render the variants' .cu sources into DIR
     python -m benchmarks.experiments.decode_variants render DIR [--schemes int4,int8] [--base REV|tree] [--heads 64,8]
                                                       [--head-dim 128] [--reg-caps 20,24] [--split-major]
-                                                      [--no-residual-pass]
+                                                      [--no-residual-pass] [--page-record]
     # on the GPU: build every source in DIR, check it and time it at each shape
     python -m benchmarks.experiments.decode_variants time DIR [--shapes 32x4096,1x16384] [--out FILE] [--heads 64,8]
                                                     [--head-dim 128]
@@ -17,7 +17,9 @@ register cap at W warps an SM instead of 16 (``cuda_sass.with_reg_cap``); ``--sp
 splits), so the programs the hardware schedules next to each other are one head's splits, not one split's heads
 (:func:`with_split_major`); ``--no-residual-pass`` writes ``<scheme>--noresidual.cu``: a residual scheme's kernel
 without its residual pool's tile loop (:func:`without_residual_pass`; the same output only where no sequence has a
-residual tile, e.g. int4 at whole pages). Other variants can be added by hand as
+residual tile, e.g. int4 at whole pages); ``--page-record`` writes ``<scheme>--record.cu``: the kernel reading each
+(page, KV head)'s tensors from one record, which ``time`` runs over the same pages copied into records
+(:func:`with_page_record`, :func:`as_records`). Other variants can be added by hand as
 ``<scheme>--<name>.cu`` (e.g. the tree rendered with an edited template). ``time`` loads the scheme's generated CUDA
 decode module once and points it at each source in turn (``SOURCE``: the runtime's CUDA loader builds and caches
 each), runs it once on a NaN-poisoned output against the float32 reference and against the base variant's output; a
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -88,8 +91,63 @@ def without_residual_pass(source: str) -> str:
     return source.replace(RESIDUAL_PASS, "")
 
 
+META_STRIDES = ("R::meta_src(p, i), MB, t, ph_tile)", "R::meta_src(p, i) + (unsigned long long)ph_tile * MB + u * CU")
+
+
+def record_layout(scheme: str, d: int = D) -> list[tuple[str, int]]:
+    """(tensor, bytes per (page, KV head)) of ``scheme``'s page tensors, in the scheme's order: one page record."""
+    from kvgen.registry import default_registry
+    from kvgen.schemes import dtype_bytes
+
+    return [(t.name, math.prod(t.shape) * dtype_bytes(t.dtype))
+            for t in default_registry().schemes[scheme].page_tensors(d, PAGE)]
+
+
+def with_page_record(source: str, record_bytes: int) -> str:
+    """``source`` reading its page tensors from one record per (page, KV head): every tensor of the scheme's reader
+    (``PageReader``; not a residual pool's) is addressed at its own base plus (page * H + head) * ``record_bytes``
+    instead of its own block's bytes. :func:`as_records` lays pools out so. It asks whether the six pools of a
+    KIVI page cost the decode DRAM throughput or address instructions. SystemExit where the template no longer
+    reads as this variant expects."""
+    m = re.search(r"struct PageReader\b[^{]*\{", source)
+    if m is None or any(source.count(x) != 1 for x in META_STRIDES):
+        raise SystemExit("the decode kernel no longer declares its reader or strides its metadata as this variant "
+                         "expects")
+    head, tail = source[:m.start()], source[m.start():]
+    for name in ("K_PAGE_BYTES", "V_PAGE_BYTES"):  # the first declarations past PageReader's are its own
+        tail, n = re.subn(rf"static constexpr long long {name} = [^;]+;", f"static constexpr long long {name} = "
+                          "RECORD_BYTES;", tail, count=1)
+        if n != 1:
+            raise SystemExit(f"the decode kernel's reader no longer declares {name} as this variant expects")
+    out = head + f"constexpr long long RECORD_BYTES = {record_bytes};  // one page record\n" + tail
+    # a metadata tensor's blocks: RECORD_BYTES apart for the scheme's reader (the residual reader has none)
+    out = out.replace(META_STRIDES[0], "R::meta_src(p, i), RECORD_BYTES, t, ph_tile)")
+    return out.replace(META_STRIDES[1], "R::meta_src(p, i) + (unsigned long long)ph_tile * RECORD_BYTES + u * CU")
+
+
+def as_records(pools: dict, names: list[str]) -> dict:
+    """``pools`` with tensors ``names`` copied into one buffer of [pages, H, record] bytes, each tensor's (page,
+    head) block at its offset in the record, in ``names``' order. Each returned tensor is a contiguous view with the
+    original shape whose first byte is its first record's block: only its data pointer means anything (the kernel
+    of :func:`with_page_record` strides by the record), so it passes the module's checks of contiguity and
+    alignment. The other tensors (a residual pool's) are returned as they are."""
+    import torch
+
+    P, H = pools[names[0]].shape[:2]
+    sizes = [pools[n][0, 0].numel() * pools[n].element_size() for n in names]
+    buf = torch.empty(P, H, sum(sizes), dtype=torch.uint8, device=pools[names[0]].device)
+    flat, out, off = buf.view(-1), dict(pools), 0
+    for n, size in zip(names, sizes):
+        t = pools[n]
+        buf[:, :, off:off + size] = t.view(torch.uint8).reshape(P, H, size)
+        out[n] = flat[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        off += size
+    return out
+
+
 def render(out_dir: Path, schemes: list[str], base: str, hq: int = HQ, hkv: int = HKV, d: int = D,
-           reg_caps: tuple[int, ...] = (), split_major: bool = False, no_residual_pass: bool = False) -> None:
+           reg_caps: tuple[int, ...] = (), split_major: bool = False, no_residual_pass: bool = False,
+           page_record: bool = False) -> None:
     from benchmarks.experiments.cuda_sass import with_reg_cap
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -106,6 +164,8 @@ def render(out_dir: Path, schemes: list[str], base: str, hq: int = HQ, hkv: int 
                 sources["splitmajor"] = with_split_major(tree)
             if no_residual_pass and RESIDUAL_PASS in tree:  # schemes without a residual have no such variant
                 sources["noresidual"] = without_residual_pass(tree)
+            if page_record:
+                sources["record"] = with_page_record(tree, sum(b for _, b in record_layout(s, d)))
             for name, text in sources.items():
                 (out_dir / f"{s}--{name}.cu").write_text(text)
             print(f"{s}: {', '.join(sources)}", file=sys.stderr)
@@ -146,11 +206,15 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
             pools, tables = cold_page_tables(case.pools, B, case.block_tables.shape[1], int(case.num_compressed[0]))
             out_t = torch.empty_like(case.q)
             base_out, base_ms = None, None
+            record = [n for n, _ in record_layout(scheme_name, d)]
             for f in files:
                 mod.SOURCE = f
                 variant = f.stem.split("--", 1)[1]
+                # the page-record variant reads the same pages laid out as records
+                case_pools, timed_pools = ((as_records(case.pools, record), as_records(pools, record))
+                                           if variant == "record" else (case.pools, pools))
                 check = torch.full_like(case.q, float("nan"))
-                mod.launch(case.q, check, case.pools, case.block_tables, case.seq_lens, case.num_compressed, sm,
+                mod.launch(case.q, check, case_pools, case.block_tables, case.seq_lens, case.num_compressed, sm,
                            mod.default_config(B, L, case.q.device))
                 torch.cuda.synchronize()
                 err = rel_l2(check.float(), ref)
@@ -166,8 +230,8 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
                 if base_out is None:
                     base_out = check
                 ms, cfg, times = best_config(mod, None, B, L, lambda c: graph_time_ms(cycling(
-                    tables, lambda bt: mod.launch(case.q, out_t, pools, bt, case.seq_lens, case.num_compressed, sm,
-                                                  c))))
+                    tables, lambda bt: mod.launch(case.q, out_t, timed_pools, bt, case.seq_lens, case.num_compressed,
+                                                  sm, c))))
                 if base_ms is None:
                     base_ms = ms
                 rec = {"scheme": scheme_name, "variant": variant, "B": B, "L": L, "heads": [hq, hkv], "head_dim": d,
@@ -177,6 +241,7 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
                 records.append(rec)
                 print(f"{scheme_name:5s} B={B:3d} L={L:6d} {variant:12s} {ms * 1e3:8.1f} us  x{ms / base_ms:.3f}  "
                       f"err {err:.4f}  vs base {vs_base:.2e}  {cfg}", flush=True)
+                del case_pools, timed_pools
             del case, pools, tables
     if out is not None:
         write_records(out, records)
@@ -196,6 +261,8 @@ def main(argv=None) -> int:
     r.add_argument("--split-major", action="store_true", help="also the tree's kernel on a (splits, heads, batch) grid")
     r.add_argument("--no-residual-pass", action="store_true",
                    help="also a residual scheme's kernel without its residual tile loop")
+    r.add_argument("--page-record", action="store_true",
+                   help="also the tree's kernel reading each (page, head)'s tensors from one record")
     t = sub.add_parser("time")
     t.add_argument("dir", type=Path)
     t.add_argument("--shapes", default="32x4096,1x16384")
@@ -207,7 +274,7 @@ def main(argv=None) -> int:
     hq, hkv = (int(x) for x in a.heads.split(","))
     if a.cmd == "render":
         render(a.dir, a.schemes.split(","), a.base, hq, hkv, a.head_dim,
-               tuple(int(w) for w in a.reg_caps.split(",") if w), a.split_major, a.no_residual_pass)
+               tuple(int(w) for w in a.reg_caps.split(",") if w), a.split_major, a.no_residual_pass, a.page_record)
     else:
         shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
         time_variants(a.dir, shapes, a.out, a.max_vs_base, hq, hkv, a.head_dim)

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from benchmarks.experiments.decode_variants import (GRID_INDEX, GRID_LAUNCH, RESIDUAL_PASS, with_split_major,
+from benchmarks.experiments.decode_variants import (GRID_INDEX, GRID_LAUNCH, RESIDUAL_PASS, as_records,
+                                                    record_layout, with_page_record, with_split_major,
                                                     without_residual_pass)
 from kvgen.codegen.spec import KernelSpec
 from kvgen.registry import default_registry
@@ -96,3 +97,38 @@ def test_no_residual_pass_refuses_a_kernel_without_one():
     with pytest.raises(SystemExit, match="no longer"):
         without_residual_pass("__global__ void decode_kernel() {}")
     assert without_residual_pass(f"a\n{RESIDUAL_PASS}b\n") == "a\nb\n"
+
+
+def test_page_record_refuses_a_kernel_it_does_not_recognise():
+    with pytest.raises(SystemExit, match="no longer"):
+        with_page_record("__global__ void decode_kernel() {}", 2816)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_page_record_variant_reads_the_same_pages_from_records(monkeypatch, scheme):
+    """The page-record variant over pools laid out as records (as_records) computes bit for bit what the kernel
+    computes over the scheme's own pools: int4's per-page and per-token metadata and its residual tail page, int8's
+    per-token scales; ragged lengths, 2 splits. Its record is the scheme's page tensors back to back."""
+    if emulate.toolchain() is None:
+        pytest.skip("the CUDA emulation needs g++ and the CUDA headers")
+    spec = KernelSpec(op="decode", scheme=scheme, head_dim=64, num_kv_heads=2, gqa_group=8, page_size=16,
+                      compute_dtype="float16", arch="sm_90a", backend="cuda")
+    layout = record_layout(scheme, 64)
+    config = {"num_warps": 4, "depth": 2, "num_splits": 2}
+    plain, variant = _plain_and_variant(monkeypatch, spec, config,
+                                        lambda src: with_page_record(src, sum(b for _, b in layout)))
+    lengths = [300, 23, 1, 160]
+    cache = hz.make_cache(scheme, 64, 2, 16, lengths, "float16", device="cpu", seed=7)
+    records = as_records(cache.pools, [n for n, _ in layout])
+    first = records[layout[0][0]]
+    assert all(records[n].data_ptr() - first.data_ptr() == sum(b for _, b in layout[:i])
+               for i, (n, _) in enumerate(layout))
+    q = hz.random_q(len(lengths), 16, 64, torch.float32, "cpu", seed=8).to(torch.float16)
+    outs = []
+    for mod, pools in ((plain, cache.pools), (variant, records)):
+        out = hz.poisoned_like(q)
+        mod.launch(q, out, pools, cache.block_tables, cache.seq_lens, cache.num_compressed, 1 / math.sqrt(64),
+                   config=config)
+        assert torch.isfinite(out).all()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
