@@ -31,9 +31,8 @@ from kvgen.atomic import write_atomic
 
 
 
-def _compile(scheme, backend, B, L, Hq, Hkv, D, out_dir):
-    from kvgen.codegen.package import compile_plan
-    from kvgen.integrations.transformers import import_package
+def anchor_plan(scheme, B, L, Hq, Hkv, D):
+    """The plan the harnesses compile: a one-layer model of Hq/Hkv heads of D, B sequences of L tokens, H200."""
     from kvgen.models import resolve_model
     from kvgen.planner.planner import make_plan
     from kvgen.planner.workload import Workload
@@ -43,8 +42,15 @@ def _compile(scheme, backend, B, L, Hq, Hkv, D, out_dir):
     model = dataclasses.replace(resolve_model("llama-3-8b"), name=f"anchor-{Hq}-{Hkv}-d{D}", num_layers=1,
                                 num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, hidden_size=Hq * D,
                                 max_positions=max(L, 8192))
-    plan = make_plan(model, resolve_target("h200"), Workload(context=L, concurrency=B, page_size=PAGE),
+    return make_plan(model, resolve_target("h200"), Workload(context=L, concurrency=B, page_size=PAGE),
                      default_registry().schemes, kv=scheme)
+
+
+def _compile(scheme, backend, B, L, Hq, Hkv, D, out_dir):
+    from kvgen.codegen.package import compile_plan
+    from kvgen.integrations.transformers import import_package
+
+    plan = anchor_plan(scheme, B, L, Hq, Hkv, D)
     t0 = time.perf_counter()
     res = compile_plan(plan, os.path.join(out_dir, f"{scheme}-{backend}-{B}x{L}-{Hq}-{Hkv}-{D}"), backend=backend)
     return import_package(res.out_dir), time.perf_counter() - t0, res

@@ -26,21 +26,13 @@ def test_harness_caches_hold_every_sequence(scheme, B, L):
     """The harness caches (benchmarks.cuda_decode.cache_tokens) leave room for B sequences of L tokens in both
     pools: a residual scheme's residual pool (tails and append slack) comes out of the same budget, and int2 at 8 x
     32768 ran out of compressed pages (53 short) before the slack was added."""
-    import dataclasses
-
-    from benchmarks.cuda_decode import cache_tokens
+    from benchmarks.cuda_decode import anchor_plan, cache_tokens
     from benchmarks.run import PAGE
-    from kvgen.models import resolve_model
-    from kvgen.planner.planner import make_plan
-    from kvgen.planner.workload import Workload
     from kvgen.registry import default_registry
     from kvgen.runtime.page_pool import pool_sizes
-    from kvgen.targets import resolve_target
 
     schemes = default_registry().schemes
-    model = dataclasses.replace(resolve_model("llama-3-8b"), num_layers=1, max_positions=max(L, 8192))
-    plan = make_plan(model, resolve_target("h200"), Workload(context=L, concurrency=B, page_size=PAGE), schemes,
-                     kv=scheme)
+    plan = anchor_plan(scheme, B, L, 64, 8, 128)
     compressed, residual = pool_sizes(plan.to_json(), cache_tokens(B, L), B)
     assert compressed >= B * schemes[scheme].compressed_pages(L, PAGE)
     tail = -(-L // PAGE) - schemes[scheme].compressed_pages(L, PAGE)

@@ -198,6 +198,7 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
     for scheme_name, files in by_scheme.items():
         files.sort(key=lambda f: (not f.stem.endswith("--base"), f.name))
         mod, scheme = kernel_module("decode", scheme_name, hkv, hq // hkv, d, backend="cuda")
+        record = [n for n, _ in record_layout(scheme_name, d)]
         for B, L in shapes:
             torch.cuda.empty_cache()
             case = DecodeCase(scheme, B, L, hq, hkv, d)
@@ -206,7 +207,6 @@ def time_variants(src_dir: Path, shapes: list[tuple[int, int]], out: Path | None
             pools, tables = cold_page_tables(case.pools, B, case.block_tables.shape[1], int(case.num_compressed[0]))
             out_t = torch.empty_like(case.q)
             base_out, base_ms = None, None
-            record = [n for n, _ in record_layout(scheme_name, d)]
             for f in files:
                 mod.SOURCE = f
                 variant = f.stem.split("--", 1)[1]

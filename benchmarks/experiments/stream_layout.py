@@ -17,7 +17,6 @@ memory system gives each layout. The scheme geometries are the built-in schemes'
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -132,13 +131,9 @@ def main(argv=None) -> int:
             print(f"{name:5s} {layout:9s} {ms * 1e3:8.1f} us  {rec['TBps']:.2f} TB/s  (stages {stages}, warps {warps})",
                   flush=True)
     if a.out:
-        import datetime
+        from benchmarks.experiments.records import write_records
 
-        from kvgen.atomic import write_atomic
-
-        meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-                "torch": torch.__version__, "triton": triton.__version__}
-        write_atomic(a.out, json.dumps({**meta, "records": records}, indent=1))
+        write_records(a.out, records)
     return 0
 
 

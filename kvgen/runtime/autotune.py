@@ -58,6 +58,7 @@ benchmarks/results/2026-12-05-nvidia-h100-4): read once, the CUDA bf16 kernel lo
 Triton one at 4 of 6 anchors, and CUDA int8 to Triton at 1.3x its time at D=64."""
 CONFIRM_MAX = 3
 
+
 def confirm_front_runners(readings: list, time_again: Callable[[Any], float],
                           may_start: Callable[[], bool] = lambda: True) -> None:
     """Times the front-runners of ``readings`` (``[config, ms, bench]`` lists, one reading each) again, in place:
