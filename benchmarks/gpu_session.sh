@@ -21,10 +21,13 @@ if [ "$what" = prerender ]; then
   base="${KVGEN_PRERENDER_BASE:-main}"
   [ "$(git rev-parse HEAD)" = "$(git rev-parse "$base")" ] && [ -z "$(git status --porcelain -- templates plugins)" ] \
     && base=tree
+  # KVGEN_PRERENDER_REVS="rev,rev": those revisions' kernels too (e.g. candidate branches), timed with the rest
+  revs="${KVGEN_PRERENDER_REVS:-}"
   rm -rf .gpu/d128 .gpu/d64 && mkdir -p .gpu
-  $py -m benchmarks.experiments.decode_variants render .gpu/d128 --schemes bf16,fp8,int8,int4,int2 --base "$base"
+  $py -m benchmarks.experiments.decode_variants render .gpu/d128 --schemes bf16,fp8,int8,int4,int2 --base "$base" \
+    --revs "$revs"
   $py -m benchmarks.experiments.decode_variants render .gpu/d64 --schemes bf16,int8,int4 --base "$base" \
-    --heads 32,4 --head-dim 64
+    --heads 32,4 --head-dim 64 --revs "$revs"
   # fixed-cost: the tree's kernels alone, int4's also without its residual pass, each also over page records
   rm -rf .gpu/fixed && $py -m benchmarks.experiments.decode_variants render .gpu/fixed --schemes bf16,int8,int4 \
     --base tree --no-residual-pass --page-record

@@ -3,7 +3,7 @@
     # offline (no GPU): render the variants' .cu sources into DIR
     python -m benchmarks.experiments.decode_variants render DIR [--schemes int4,int8] [--base REV|tree] [--heads 64,8]
                                                       [--head-dim 128] [--reg-caps 20,24] [--split-major]
-                                                      [--no-residual-pass] [--page-record]
+                                                      [--no-residual-pass] [--page-record] [--revs REV,...]
     # on the GPU: build every source in DIR, check it and time it at each shape
     python -m benchmarks.experiments.decode_variants time DIR [--shapes 32x4096,1x16384] [--out FILE] [--heads 64,8]
                                                     [--head-dim 128]
@@ -11,7 +11,8 @@
 ``render`` writes, per scheme, ``<scheme>--base.cu`` (the decode kernel as git revision ``--base`` renders it,
 through that revision's own templates, unpacked with ``git archive`` into a temporary folder) and
 ``<scheme>--tree.cu`` (the working tree's; ``--base tree`` writes the tree's as the base alone, for a scheme or head
-dim the revision cannot render). ``--reg-caps W,...`` also writes ``<scheme>--regsW.cu``: the tree's kernel with its
+dim the revision cannot render); ``--revs REV,...`` also writes ``<scheme>--<REV>.cu`` (``/`` as ``_``) as each
+revision renders it, e.g. candidate branches to time against the base. ``--reg-caps W,...`` also writes ``<scheme>--regsW.cu``: the tree's kernel with its
 register cap at W warps an SM instead of 16 (``cuda_sass.with_reg_cap``); ``--split-major`` writes
 ``<scheme>--splitmajor.cu``: the tree's kernel on the grid (splits, KV heads, batch) instead of (batch, KV heads,
 splits), so the programs the hardware schedules next to each other are one head's splits, not one split's heads
@@ -145,20 +146,35 @@ def as_records(pools: dict, names: list[str]) -> dict:
     return out
 
 
+def _unpack(rev: str, into: Path) -> Path:
+    """The files of git revision ``rev`` of this repository, unpacked into ``into`` (``git archive``)."""
+    into.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", rev], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def variant_name(rev: str) -> str:
+    """The file-name part a revision's variant takes: the revision with characters other than letters, digits, '.'
+    and '-' as '_' (``candidate/bt-pointer`` -> ``candidate_bt-pointer``)."""
+    return re.sub(r"[^A-Za-z0-9.-]", "_", rev)
+
+
 def render(out_dir: Path, schemes: list[str], base: str, hq: int = HQ, hkv: int = HKV, d: int = D,
            reg_caps: tuple[int, ...] = (), split_major: bool = False, no_residual_pass: bool = False,
-           page_record: bool = False) -> None:
+           page_record: bool = False, revs: tuple[str, ...] = ()) -> None:
     from benchmarks.experiments.cuda_sass import with_reg_cap
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        if base != "tree":
-            archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", base], check=True,
-                                     capture_output=True).stdout
-            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        base_root = None if base == "tree" else _unpack(base, Path(tmp) / "base")
+        rev_roots = {variant_name(r): _unpack(r, Path(tmp) / f"rev{i}") for i, r in enumerate(revs)}
         for s in schemes:
             tree = _render_at(REPO, s, hq, hkv, d)
-            sources = {"base": tree} if base == "tree" else {"base": _render_at(Path(tmp), s, hq, hkv, d), "tree": tree}
+            sources = {"base": tree} if base_root is None else {"base": _render_at(base_root, s, hq, hkv, d),
+                                                                "tree": tree}
+            sources.update({name: _render_at(root, s, hq, hkv, d) for name, root in rev_roots.items()})
             sources.update({f"regs{w}": with_reg_cap(tree, w) for w in reg_caps})
             if split_major:
                 sources["splitmajor"] = with_split_major(tree)
@@ -263,6 +279,8 @@ def main(argv=None) -> int:
                    help="also a residual scheme's kernel without its residual tile loop")
     r.add_argument("--page-record", action="store_true",
                    help="also the tree's kernel reading each (page, head)'s tensors from one record")
+    r.add_argument("--revs", default="", help="also the kernel as each of these git revisions renders it, "
+                   "comma-separated (candidate branches timed against the base in one process)")
     t = sub.add_parser("time")
     t.add_argument("dir", type=Path)
     t.add_argument("--shapes", default="32x4096,1x16384")
@@ -274,7 +292,8 @@ def main(argv=None) -> int:
     hq, hkv = (int(x) for x in a.heads.split(","))
     if a.cmd == "render":
         render(a.dir, a.schemes.split(","), a.base, hq, hkv, a.head_dim,
-               tuple(int(w) for w in a.reg_caps.split(",") if w), a.split_major, a.no_residual_pass, a.page_record)
+               tuple(int(w) for w in a.reg_caps.split(",") if w), a.split_major, a.no_residual_pass, a.page_record,
+               tuple(r for r in a.revs.split(",") if r))
     else:
         shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
         time_variants(a.dir, shapes, a.out, a.max_vs_base, hq, hkv, a.head_dim)
