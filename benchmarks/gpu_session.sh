@@ -361,16 +361,16 @@ if [ "$what" = d64 ]; then
   grep -E "^decode " "$OUT/decode-d64.log" | cut -c1-130
 fi
 if [ "$what" = decode-candidates ]; then
-  # About 4 minutes: the sources `prerender` wrote on the CPU machine (the checked-out tree against main, or the tree
-  # alone), every candidate of each timed at 1 x 131072 and 32 x 4096 (64/8, D=128) and 16 x 8192 (32/4, D=64), each
+  # About 4 minutes (more with KVGEN_PRERENDER_REVS' revisions): the sources `prerender` wrote on the CPU machine (the
+  # checked-out tree against main, or the tree alone, and those revisions' kernels), every candidate of each timed at 1 x 131072 and 32 x 4096 (64/8, D=128) and 16 x 8192 (32/4, D=64), each
   # variant's output checked against the base's; then Nsight Compute on one tuned launch of the cases that miss issue
   # 16's goals (KVGEN_NCU_CASES="scheme:B,L,Hq,Hkv,D ..."; none with KVGEN_NCU_CASES=none).
   [ -d .gpu/d128 ] || { echo "no .gpu/d128: run 'bash benchmarks/gpu_session.sh prerender' first, carry .gpu"; exit 1; }
-  timeout 200 python3 -m benchmarks.experiments.decode_variants time .gpu/d128 --shapes 32x4096,1x131072 \
+  timeout 330 python3 -m benchmarks.experiments.decode_variants time .gpu/d128 --shapes 32x4096,1x131072 \
     --out "$OUT/candidates-d128.json" >"$OUT/candidates-d128.log" 2>&1
   echo "D=128 candidates: exit $?"; grep -v "^built" "$OUT/candidates-d128.log" | tail -20 | cut -c1-160
   if [ -d .gpu/d64 ]; then
-    timeout 120 python3 -m benchmarks.experiments.decode_variants time .gpu/d64 --shapes 16x8192 --heads 32,4 \
+    timeout 170 python3 -m benchmarks.experiments.decode_variants time .gpu/d64 --shapes 16x8192 --heads 32,4 \
       --head-dim 64 --out "$OUT/candidates-d64.json" >"$OUT/candidates-d64.log" 2>&1
     echo "D=64 candidates: exit $?"; grep -v "^built" "$OUT/candidates-d64.log" | tail -8 | cut -c1-160
   fi
