@@ -91,7 +91,10 @@ def checked_time(run, out: torch.Tensor, ref: torch.Tensor, rep_ms: int = 60) ->
 
 
 class DecodeCase:
-    """Random K/V for B sequences of L tokens in one scheme's pages, shuffled page ids."""
+    """Random K/V for B sequences of L tokens in one scheme's pages, shuffled page ids. L need not be a whole number
+    of pages: the last page then holds L % PAGE tokens and random data in its unwritten slots, which a kernel must
+    not read (a residual scheme keeps that page in its residual pool, as the runtime does). ``bytes`` counts whole
+    compressed pages and the residual pool's written rows."""
 
     def __init__(self, scheme, B, L, Hq, Hkv, D, dtype=torch.bfloat16, seed=0, device="cuda"):
         from kvgen.runtime.pools import allocate_pool
@@ -99,7 +102,8 @@ class DecodeCase:
         self.device = device = torch.device(device)
         g = torch.Generator(device=device).manual_seed(seed)
         self.B, self.L, self.Hq, self.Hkv, self.D = B, L, Hq, Hkv, D
-        pages_per_seq = L // PAGE
+        pages_per_seq = -(-L // PAGE)
+        padded = pages_per_seq * PAGE
         num_pages = B * pages_per_seq
         tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in scheme.page_tensors(D, PAGE)]
         self.pools = allocate_pool(tensors, num_pages, Hkv, dtype, device)
@@ -120,9 +124,9 @@ class DecodeCase:
         self.v_raw = torch.empty_like(self.k_raw)
         self.bytes = 0
         for b in range(B):
-            k = torch.randn(Hkv, L, D, generator=g, device=device)
-            v = torch.randn(Hkv, L, D, generator=g, device=device)
-            self.k_raw[b], self.v_raw[b] = k.to(dtype), v.to(dtype)
+            k = torch.randn(Hkv, padded, D, generator=g, device=device)
+            v = torch.randn(Hkv, padded, D, generator=g, device=device)
+            self.k_raw[b], self.v_raw[b] = k[:, :L].to(dtype), v[:, :L].to(dtype)
             kp = k.view(Hkv, pages_per_seq, PAGE, D).transpose(0, 1)[:nc].reshape(-1, PAGE, D)
             vp = v.view(Hkv, pages_per_seq, PAGE, D).transpose(0, 1)[:nc].reshape(-1, PAGE, D)
             ids = self.block_tables[b, :nc].long()
@@ -135,7 +139,7 @@ class DecodeCase:
                 self.pools["rv"][rid] = v.view(Hkv, pages_per_seq, PAGE, D).transpose(0, 1)[nc:].to(dtype)
         for t in scheme.page_tensors(D, PAGE):
             self.bytes += self.pools[t.name][0].numel() * self.pools[t.name].element_size() * nc * B
-        self.bytes += B * n_res * 2 * Hkv * PAGE * D * self.k_raw.element_size()
+        self.bytes += B * (L - nc * PAGE if n_res else 0) * 2 * Hkv * D * self.k_raw.element_size()
         self.bytes += self.block_tables.numel() * 4
 
     def reference(self) -> torch.Tensor:

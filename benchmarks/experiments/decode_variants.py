@@ -12,25 +12,26 @@
 through that revision's own templates, unpacked with ``git archive`` into a temporary folder) and
 ``<scheme>--tree.cu`` (the working tree's; ``--base tree`` writes the tree's as the base alone, for a scheme or head
 dim the revision cannot render); ``--revs REV,...`` also writes ``<scheme>--<REV>.cu`` (``/`` as ``_``) as each
-revision renders it, e.g. candidate branches to time against the base. ``--reg-caps W,...`` also writes ``<scheme>--regsW.cu``: the tree's kernel with its
-register cap at W warps an SM instead of 16 (``cuda_sass.with_reg_cap``); ``--split-major`` writes
-``<scheme>--splitmajor.cu``: the tree's kernel on the grid (splits, KV heads, batch) instead of (batch, KV heads,
-splits), so the programs the hardware schedules next to each other are one head's splits, not one split's heads
-(:func:`with_split_major`); ``--no-residual-pass`` writes ``<scheme>--noresidual.cu``: a residual scheme's kernel
-without its residual pool's tile loop (:func:`without_residual_pass`; the same output only where no sequence has a
-residual tile, e.g. int4 at whole pages); ``--page-record`` writes ``<scheme>--record.cu``: the kernel reading each
-(page, KV head)'s tensors from one record, which ``time`` runs over the same pages copied into records
-(:func:`with_page_record`, :func:`as_records`). Other variants can be added by hand as
-``<scheme>--<name>.cu`` (e.g. the tree rendered with an edited template). ``time`` loads the scheme's generated CUDA
-decode module once and points it at each source in turn (``SOURCE``: the runtime's CUDA loader builds and caches
-each), runs it once on a NaN-poisoned output against the float32 reference and against the base variant's output; a
-variant whose output is not finite or differs from the base's by more than ``--max-vs-base`` (relative L2) gets an
-error record and is not timed (where the base fails, the next variant is compared and timed as the base). It then
-times every tuning candidate of the module (splits x warps x depths) with the runtime's kernel timer, cold pages
-cycled as the runtime's own tuning does, and reports the best per variant and shape, as a ratio to the base variant
-measured in the same process. ``--heads HQ,HKV`` (query and KV heads, default the ANCHORS' 64,8) and ``--head-dim``
-must be the same for both steps: they are compiled into the source. ``time`` first builds every source, several nvcc
-processes at once, so the first timed launch of a variant waits on no compile.
+revision renders it, e.g. candidate branches to time against the base. ``--reg-caps W,...`` also writes
+``<scheme>--regsW.cu``: the tree's kernel with its register cap at W warps an SM instead of 16
+(``cuda_sass.with_reg_cap``); ``--split-major`` writes ``<scheme>--splitmajor.cu``: the tree's kernel on the grid
+(splits, KV heads, batch) instead of (batch, KV heads, splits), so the programs the hardware schedules next to each
+other are one head's splits, not one split's heads (:func:`with_split_major`); ``--no-residual-pass`` writes
+``<scheme>--noresidual.cu``: a residual scheme's kernel without its residual pool's tile loop
+(:func:`without_residual_pass`; the same output only where no sequence has a residual tile, e.g. int4 at whole
+pages); ``--page-record`` writes ``<scheme>--record.cu``: the kernel reading each (page, KV head)'s tensors from one
+record, which ``time`` runs over the same pages copied into records (:func:`with_page_record`, :func:`as_records`).
+Other variants can be added by hand as ``<scheme>--<name>.cu`` (e.g. the tree rendered with an edited template).
+``time`` loads the scheme's generated CUDA decode module once and points it at each source in turn (``SOURCE``: the
+runtime's CUDA loader builds and caches each), runs it once on a NaN-poisoned output against the float32 reference
+and against the base variant's output; a variant whose output is not finite or differs from the base's by more than
+``--max-vs-base`` (relative L2) gets an error record and is not timed (where the base fails, the next variant is
+compared and timed as the base). It then times every tuning candidate of the module (splits x warps x depths) with
+the runtime's kernel timer, cold pages cycled as the runtime's own tuning does, and reports the best per variant and
+shape, as a ratio to the base variant measured in the same process. ``--heads HQ,HKV`` (query and KV heads, default
+the ANCHORS' 64,8) and ``--head-dim`` must be the same for both steps: they are compiled into the source. ``time``
+first builds every source, several nvcc processes at once, so the first timed launch of a variant waits on no
+compile.
 """
 
 from __future__ import annotations
