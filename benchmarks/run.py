@@ -246,15 +246,16 @@ def best_config(mod, run, batch, length, rank=None):
     in a stretch the GPU runs slow."""
     from kvgen.runtime.autotune import confirm_front_runners
 
+    reading = rank or (lambda c: bench(lambda: run(c), rep_ms=60))
     readings = []  # [config, ms, config]: the "bench" the confirmation times again is the config itself
     for cfg in mod.candidates(batch, length):
         try:
-            readings.append([cfg, rank(cfg) if rank else bench(lambda: run(cfg), rep_ms=60), cfg])
+            readings.append([cfg, reading(cfg), cfg])
         except Exception as exc:  # a candidate that does not compile (registers, smem) is skipped
             print(f"    candidate {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
     if not readings:
         raise RuntimeError("no tuning candidate ran")
-    confirm_front_runners(readings, lambda c: rank(c) if rank else bench(lambda: run(c), rep_ms=60))
+    confirm_front_runners(readings, reading)
     cfg, ms, _ = min(readings, key=lambda r: r[1])
     results = [(r[1], r[0]) for r in readings]
     return (ms if rank else bench(lambda: run(cfg))), cfg, results

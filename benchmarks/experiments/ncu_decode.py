@@ -9,14 +9,14 @@ run a few decode steps under ``ncu``, which profiles one launch of the attention
         python -m benchmarks.experiments.ncu_decode run --scheme int4 --backend cuda --work /tmp/ncu > int4.csv
     python -m benchmarks.experiments.ncu_decode summary int4.csv bf16.csv ...
 
-``run`` compiles a one-layer package of the scheme (``--backend triton|cuda``) at one shape (default the
-first ANCHORS shape: B=32, L=4096, 64/8 heads, D=128) under ``--work`` (the same folder every time, so a
-second process finds the package and the tuned winner), fills it with random K/V and launches
-``cache.decode`` ``--launches`` times at the runtime's config for the bucket: the tuned winner after a
-``--tune`` run, else the autotuner's model (``--config`` names one instead). It prints nothing on stdout (ncu's CSV goes there); the
-config goes to stderr. ``summary`` reads ncu's raw CSV pages and prints, per file, the kernel's time,
-registers, occupancy, DRAM and issue utilization, DRAM bytes a second, how long the busiest SM sat empty, the
-busiest pipes and the main warp stall reasons.
+``run`` compiles a one-layer package of the scheme (``--backend triton|cuda``) at one shape (default the first
+ANCHORS shape: B=32, L=4096, 64/8 heads, D=128) under ``--work`` (the same folder every time, so a second process
+finds the package and the tuned winner), fills it with random K/V and launches ``cache.decode`` ``--launches``
+times at the runtime's config for the bucket: the tuned winner after a ``--tune`` run, else the autotuner's model
+(``--config`` names one instead). It prints nothing on stdout (ncu's CSV goes there); the config goes to stderr.
+``summary`` reads ncu's raw CSV pages and prints, per file, the kernel's time, registers, occupancy, DRAM and
+issue utilization, DRAM bytes a second, how long the busiest SM sat empty, the busiest pipes and the main warp
+stall reasons.
 """
 
 from __future__ import annotations
