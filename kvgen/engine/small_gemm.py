@@ -225,9 +225,8 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
     Runs on CUDA, or under the Triton interpreter on the CPU (tests). No host synchronization: CUDA graphs
     capture it (after a warm-up on the capture stream: :func:`kvgen.runtime.split_counters.arrival_counters`).
-    Raises ValueError for
-    tensors or a config it does not take (:func:`supports`), and Triton's OutOfResources at the first launch of
-    a tile whose stages do not fit this GPU's shared memory.
+    Raises ValueError for tensors or a config it does not take (:func:`supports`), and Triton's OutOfResources at
+    the first launch of a tile whose stages do not fit this GPU's shared memory.
     """
     interpret = triton_interpret()
     if (not supports(x, weight, bias, config, gated, rope, norm, residual)
